@@ -1,0 +1,115 @@
+"""Offline throughput: pagoda vs Hugging Face transformers `generate` on the same batch, in one run.
+
+    python bench/throughput.py --num-prompts 16 --input-len 64 --output-len 128 [--model DIR] [--dtype float32]
+
+Prompts are random token ids from a fixed seed; every engine ignores EOS so all do the same work.
+Writes one JSON line per engine to --out (default bench/results/throughput-<device>.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab, 20000), (num, length), generator=gen).tolist()
+
+
+def run_pagoda(args, prompts) -> dict:
+    from engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    _sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(args.device)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"engine": "pagoda", "elapsed_s": elapsed, "output_tokens": tokens, "load_s": load_s}
+
+
+def run_transformers(args, prompts, model_dir: str) -> dict:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS, like the other engines
+    ids = torch.tensor(prompts, device=args.device)  # equal lengths: no padding needed
+
+    def generate(n: int):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
+
+    generate(4)
+    _sync(args.device)
+    t0 = time.perf_counter()
+    out = generate(args.output_len)
+    _sync(args.device)
+    elapsed = time.perf_counter() - t0
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"engine": "transformers", "version": transformers.__version__, "elapsed_s": elapsed, "output_tokens": tokens}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded default model)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default="pagoda,transformers")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from engine.default_model import default_model_dir
+    from engine.loader import read_hf_config
+
+    model_dir = args.model or str(default_model_dir())
+    vocab = read_hf_config(model_dir)["vocab_size"]
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    out = Path(args.out or f"bench/results/throughput-{args.device}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(args.repeat):
+        for engine in args.engines.split(","):
+            row = run_pagoda(args, prompts) if engine == "pagoda" else run_transformers(args, prompts, model_dir)
+            row.update(
+                output_tok_s=row["output_tokens"] / row["elapsed_s"],
+                model=Path(model_dir).name, dtype=args.dtype, device=args.device, device_name=device_name,
+                torch_threads=torch.get_num_threads(), num_prompts=args.num_prompts, input_len=args.input_len,
+                output_len=args.output_len, commit=commit, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command="python " + " ".join(__import__("sys").argv),
+            )
+            print(json.dumps(row))
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

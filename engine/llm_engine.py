@@ -1,0 +1,310 @@
+"""LLMEngine.step(): schedule -> run -> sample -> update; and the offline `LLM` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Sequence as Seq
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner, SampledToken
+from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, RequestOutput, Sequence
+
+log = logging.getLogger("pagoda.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = config.model
+        if model_dir is None:
+            from engine.default_model import default_model_dir
+
+            model_dir = str(default_model_dir())
+        self.model_dir = model_dir
+        self.tokenizer = _load_tokenizer(model_dir)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos(model_dir)
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(config, model_dir, eos)
+        mc = self.runner.model.config
+        self.max_model_len = self._resolve_max_model_len(mc)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({self.max_model_len})"
+            )
+        num_blocks = self.runner.allocate_kv_cache()
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise RuntimeError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len={self.max_model_len}; "
+                "lower max_model_len or give the cache more memory"
+            )
+        log.info(
+            "loaded %s (%s, %s on %s): %d KV blocks of %d tokens = %d tokens in the cache, max_model_len %d",
+            model_dir, type(self.runner.model).__name__, config.dtype, config.device,
+            num_blocks, config.block_size, capacity, self.max_model_len,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    def _resolve_max_model_len(self, mc) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            # Attention here is full, which equals sliding-window attention while the context fits the window.
+            limit = min(limit, mc.sliding_window)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} positions")
+        return wanted
+
+    # ----- requests -----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request; raises InvalidParameter (with the offending param) when it cannot be served."""
+        if request_id in self.requests:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameter("prompt", "this model has no tokenizer: give the prompt as token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._check_prompt(token_ids, params)
+        request = Request(request_id, text, token_ids, params, priority=priority)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.requests[request_id] = request
+        self.scheduler.add(self._new_sequence(request, 0))
+        return request
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidParameter(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}, "
+                "which must also leave room for at least one generated token",
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"of {self.max_model_len}",
+            )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParameter("n", f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        bad_bias = next((t for t in (params.logit_bias or {}) if not 0 <= int(t) < vocab), None)
+        if bad_bias is not None:
+            raise InvalidParameter("logit_bias", f"logit_bias token id {bad_bias} is outside the vocabulary")
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        seed = request.params.seed
+        # A seeded request's i-th child uses seed + i, so n > 1 outputs differ but stay reproducible.
+        seed = seed + index if seed is not None else self._seed_rng.getrandbits(62)
+        seq = Sequence(next(self._seq_ids), request, index, seed, list(request.prompt_token_ids))
+        if request.params.logprobs is not None:
+            seq.logprobs = []
+        if self.tokenizer is not None:
+            from engine.tokenizer import IncrementalDetokenizer
+
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=request.params.skip_special_tokens,
+                stop=request.params.stop,
+                include_stop_str_in_output=request.params.include_stop_str_in_output,
+            )
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- the step -----
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round and forward; outputs of every request that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.runner.copy_blocks(sched.block_copies)
+        sampling: list[tuple[Sequence, int]] = []
+        for row, item in enumerate(list(sched.scheduled)):
+            if not item.samples:
+                continue
+            sampling.append((item.seq, row))
+            sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
+        results = self.runner.execute(sched.scheduled, sampling)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for (seq, _), sampled in zip(sampling, results):
+            self._append_token(seq, sampled)
+            request = seq.request
+            request.first_token_time = request.first_token_time or now
+            touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            if request.is_finished:
+                request.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(RequestOutput.of(request))
+        return outputs
+
+    def _fork_children(self, parent: Sequence, num_new_tokens: int) -> list[Sequence]:
+        """The first time an n > 1 request's prompt is complete, its other n - 1 sequences are
+        forked off it: they share every prompt block and sample from the same logits."""
+        request = parent.request
+        if parent.index != 0 or len(request.seqs) == request.params.n:
+            return []
+        children = []
+        for index in range(len(request.seqs), request.params.n):
+            child = self._new_sequence(request, index)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new_tokens
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
+        params = seq.request.params
+        token = sampled.token_id
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and sampled.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs)
+        num_out = seq.num_output_tokens
+        if not params.ignore_eos and token in self.eos_token_ids and num_out >= params.min_tokens:
+            self._finish(seq, "stop", None)
+            return
+        if token in params.stop_token_ids and num_out >= params.min_tokens:
+            self._finish(seq, "stop", token)
+            return
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.add([token])
+            if seq.detokenizer.stopped:
+                self._finish(seq, "stop", seq.detokenizer.stop_string)
+                return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.detokenizer is not None and not seq.detokenizer.stopped:
+            seq.text += seq.detokenizer.flush()
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, reason)
+
+
+def _load_tokenizer(model_dir: str):
+    """The model's tokenizer, or None for a directory without tokenizer files (token-id prompts only)."""
+    path = Path(model_dir)
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+def _config_eos(model_dir: str) -> frozenset[int]:
+    from engine.loader import read_hf_config
+
+    eos = read_hf_config(model_dir).get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+class LLM:
+    """Offline batch generation, shaped like vLLM's `LLM`."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]] | list[int],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]

@@ -1,0 +1,90 @@
+"""Build a model from a Hugging Face directory: safetensors weights or dummy (random) ones."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models import model_class
+
+log = logging.getLogger("pagoda.loader")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+) -> tuple[nn.Module, dict]:
+    """The model on `device` in `dtype`, and its HF config.
+
+    Parameters are allocated on the device first, then each checkpoint tensor is read from its
+    memory-mapped file straight to the device and copied in, so the host never holds the model.
+    """
+    hf_config = read_hf_config(model_dir)
+    cls = model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(hf_config)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        _load_safetensors(model, Path(model_dir), device)
+    return model.eval(), hf_config
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir} (use load_format='dummy' for random weights)")
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if model.load_weight(name, f.get_tensor(name)):
+                        loaded.add(name)
+    expected = _expected_checkpoint_names(model)
+    missing = expected - {n.removeprefix("model.") for n in loaded}
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _expected_checkpoint_names(model: nn.Module) -> set[str]:
+    """Parameter names as a HF checkpoint spells them (fused projections split back)."""
+    names = set()
+    for name, _ in model.named_parameters():
+        parts = [name.replace(fused, part) for part, (fused, _) in model.packed.items() if f".{fused}." in name]
+        names.update(parts or [name])
+    return names
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights with sane scales (norms at 1), the same for a given seed on a given device."""
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            gen = torch.Generator(device=param.device).manual_seed(seed)
+            seed += 1
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,150 @@
+"""Continuous batching: picks each step's tokens under a token budget and a sequence cap.
+
+Every sequence carries `num_computed_tokens`; a step gives it `num_new_tokens` more (1 for a
+decode, a chunk for a prefill). Running sequences come first, decodes before prefill chunks, so
+decodes are never starved by a long prompt; waiting sequences are admitted with what is left.
+When the pool runs dry, the lowest-priority, latest running sequence is preempted: its blocks are
+dropped and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """After this step every token of the sequence is computed, so it samples the next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        # Decodes first (one token each), then prefills already under way, each by priority.
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                continue
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self._pick_victim(exclude=scheduled_ids) or seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            out.block_copies += self.block_manager.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+
+        # Admit waiting sequences only if nothing was preempted: a preemption means the pool is full.
+        if not out.preempted:
+            self.waiting.sort(key=lambda s: s.sort_key)
+            seats = sum(s.num_seqs_when_running for s in self.running)
+            while self.waiting:
+                seq = self.waiting[0]
+                if seats + seq.num_seqs_when_running > self.max_num_seqs:
+                    break
+                num_new = self._chunk(seq, budget)
+                if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
+                    break
+                self.waiting.pop(0)
+                seats += seq.num_seqs_when_running
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.block_copies += self.block_manager.allocate(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of `seq`'s uncomputed tokens to run now: all, or with chunked prefill as many
+        as fit in `budget` and (when that leaves some) in the free blocks; without it, all or none."""
+        remaining = seq.num_uncomputed_tokens
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        num_new = min(remaining, budget)
+        if num_new > 1 and not self.block_manager.can_allocate(seq, num_new):
+            # A smaller chunk that fits beats preempting someone for a big one.
+            fits = self.block_manager.tokens_that_fit(seq)
+            num_new = min(num_new, fits) if fits > 0 else num_new
+        return num_new
+
+    def _pick_victim(self, exclude: set[int]) -> Sequence | None:
+        candidates = [s for s in self.running if s.seq_id not in exclude and s.status is SequenceStatus.RUNNING]
+        return max(candidates, key=lambda s: s.sort_key, default=None)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute-mode preemption: drop the blocks, recompute prompt + output when readmitted."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.add(seq)
+        out.preempted.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A child forked from a running parent joins the running set directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (stop, length or abort) and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

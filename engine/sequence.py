@@ -1,0 +1,130 @@
+"""A request's state: its sequences' token ids, status, block table and timings; the outputs it yields."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token under the model's unmodified distribution."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
+
+
+@dataclass
+class Sequence:
+    """One generated continuation. A request with n > 1 forks n sequences sharing its prompt's blocks."""
+
+    seq_id: int
+    request: "Request"
+    index: int  # which of the request's n outputs
+    seed: int
+    token_ids: list[int]  # prompt then output
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer, created when the model has a tokenizer
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_seqs_when_running(self) -> int:
+        """Sequence slots this takes once running: a parent not yet forked brings its n - 1 children."""
+        request = self.request
+        if self.index == 0 and len(request.seqs) < request.params.n:
+            return request.params.n - len(request.seqs) + 1
+        return 1
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of a request: cumulative text and tokens of each of its n outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    @classmethod
+    def of(cls, request: Request) -> "RequestOutput":
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            )
+            for s in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return cls(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished)

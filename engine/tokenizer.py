@@ -1,0 +1,167 @@
+"""Tokenizer, chat template, and the incremental detokenizer that streams text and finds stop strings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+# Previous tokens decoded together with the new ones. Decoding a token alone can differ from
+# decoding it in context (sentencepiece drops the leading space of the first token, a multi-byte
+# character can be split across tokens), so new text is always the difference between decoding
+# the window with and without the new tokens. Five covers a 4-byte character plus one more token.
+_CONTEXT_TOKENS = 5
+
+# What a decoder puts where bytes are not (yet) a whole UTF-8 character.
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """A model directory's Hugging Face tokenizer, read from local files only."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        # len() counts added tokens; it can be smaller than the model's (padded) embedding.
+        self.vocab_size: int = len(self.hf)
+        self.bos_token_id: int | None = self.hf.bos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_token_ids(self.hf, model_dir))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of spaces: that heuristic (" ." -> ".") depends on where decoding is cut,
+        # so streamed text could never add up to the full decode.
+        return self.hf.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt token ids for a chat, rendered by the model's own template."""
+        if not self.hf.chat_template:
+            raise ValueError(
+                "this model has no chat template (none in its tokenizer files); "
+                "use the completions API with a plain prompt instead"
+            )
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        # The template writes every special token itself (BOS included); adding them again would double them.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _eos_token_ids(hf, model_dir: Path) -> set[int]:
+    ids = set() if hf.eos_token_id is None else {hf.eos_token_id}
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(eos)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas that are safe to stream, and watches for stop strings.
+
+    Every `add` decodes only a small window (a few context tokens plus the new ones), so its cost
+    does not grow with the output. Text is held back while it ends inside an incomplete character,
+    or in something that may be the start of a stop string; `flush` releases it at the end.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # The prompt's last tokens give the first output token its context; none that end
+        # inside a character, or the output's first bytes would complete a prompt character.
+        self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        while self._window and self._decode(self._window).endswith(_REPLACEMENT):
+            self._window.pop()
+        self._read = len(self._window)  # window[:_read] is context whose text was already emitted
+        self._stops = [s for s in stop if s]  # "" would match everywhere
+        self._include_stop = include_stop_str_in_output
+        self._pending = ""  # decoded text held back because it may be the start of a stop string
+        self.text = ""
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed newly generated token ids; the new text that may be shown now."""
+        if self.stopped or not token_ids:
+            return ""
+        self._window.extend(token_ids)
+        return self._emit(self._take_text(final=False), final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: the text held back so far."""
+        if self.stopped:
+            return ""
+        return self._emit(self._take_text(final=True), final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _take_text(self, final: bool) -> str:
+        """The text of window[_read:], unless it ends inside a character and more tokens may follow."""
+        text = self._decode(self._window)
+        # A trailing U+FFFD usually means the last token ends partway through a multi-byte
+        # character that the next token completes; the replacement would be wrong to emit.
+        if not final and text.endswith(_REPLACEMENT):
+            return ""
+        new_text = text[len(self._decode(self._window[: self._read])) :]
+        self._window = self._window[-_CONTEXT_TOKENS:]
+        self._read = len(self._window)
+        return new_text
+
+    def _emit(self, new_text: str, final: bool) -> str:
+        if not self._stops:
+            self.text += new_text
+            return new_text
+        # No stop string can begin in text already emitted (its start would have been held
+        # back), so searching the held-back tail plus the new text is enough.
+        buffer = self._pending + new_text
+        match = _first_stop(buffer, self._stops)
+        if match is not None:
+            start, stop = match
+            delta = buffer[: start + len(stop) if self._include_stop else start]
+            self._pending = ""
+            self.stopped, self.stop_string = True, stop
+        else:
+            hold = 0 if final else _partial_stop_length(buffer, self._stops)
+            delta, self._pending = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
+        self.text += delta
+        return delta
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(start, stop string) of the stop string that ends first in `text`, or None.
+
+    Ending first, not starting first, is what a token-by-token stream would see first, so the
+    answer does not depend on how the tokens were batched into `add` calls.
+    """
+    best = None
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < (best[0] + len(best[1]), best[0])):
+            best = (start, stop)
+    return best
+
+
+def _partial_stop_length(text: str, stops: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = max(len(stop) for stop in stops) - 1
+    for length in range(min(longest, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(len(stop) > length and stop.startswith(tail) for stop in stops):
+            return length
+    return 0

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        # Llama 3 style: llama3 rope scaling, untied head, sharded checkpoint.
+        "llama": LlamaConfig(
+            **TINY,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+        "mistral": MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None, head_dim=16),
+        "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True, use_sliding_window=False),
+        "qwen3": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True, use_sliding_window=False),
+    }
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A function arch -> HF directory of a tiny randomly initialised model (float32, safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+    configs = _tiny_configs()
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(configs[arch], dtype=torch.float32)
+            # Random init leaves logits nearly flat; widen them so greedy ties are implausible.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" not in name:
+                        p.normal_(0.0, 0.08)
+            path = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+            made[arch] = path
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from engine.default_model import default_model_dir as locate
+
+    return locate()

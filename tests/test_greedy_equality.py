@@ -1,0 +1,98 @@
+"""Greedy tokens equal Hugging Face transformers', token for token, in every scheduling mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import ARCHS
+
+NEW_TOKENS = 64
+PROMPT_LENGTHS = [3, 17, 40, 64, 100]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Like pagoda's ignore_eos: EOS neither stops nor is suppressed.
+    model.generation_config.eos_token_id = None
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs
+
+
+MODES = {
+    # (engine kwargs, run prompts one at a time)
+    "alone": ({}, True),
+    "batch": ({}, False),
+    "chunked": ({"max_num_batched_tokens": 32}, False),
+    "preempt": ({"num_gpu_blocks_override": 12, "max_model_len": 192}, False),
+}
+
+
+def pagoda_greedy(model_dir, prompts, new_tokens, kwargs: dict, alone: bool) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    if alone:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_architectures_match_transformers(arch, tiny_model_dir):
+    model_dir = tiny_model_dir(arch)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    for mode, (kwargs, alone) in MODES.items():
+        got, llm = pagoda_greedy(model_dir, prompts, NEW_TOKENS, kwargs, alone)
+        assert got == expected, f"{arch}: mode {mode!r} diverges from transformers"
+        if mode == "preempt":
+            assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should have forced preemption"
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue, as if to a child who asks many questions.",
+    "List three prime numbers and then count backwards from ten to one, spelling each number out in words, please.",
+]
+
+
+def test_default_model_matches_transformers(default_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    expected = hf_greedy(default_model_dir, prompts, NEW_TOKENS)
+    for mode, (kwargs, alone) in MODES.items():
+        if mode == "preempt":  # the chat prompts are longer: a pool of 256 tokens still forces preemption
+            kwargs = {"num_gpu_blocks_override": 16, "max_model_len": 256}
+        got, llm = pagoda_greedy(default_model_dir, prompts, NEW_TOKENS, kwargs, alone)
+        assert got == expected, f"default model: mode {mode!r} diverges from transformers"
+        if mode == "preempt":
+            assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_default_model_answers_paris():
+    llm = LLM(dtype="float32", device="cpu")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert out.outputs[0].text.startswith("The capital of France is Paris.")
+    assert out.outputs[0].finish_reason in ("stop", "length")
