@@ -47,7 +47,14 @@ def run_transformers(args, prompts, model_dir: str) -> dict:
 
     from engine.config import DTYPES
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    dtype = DTYPES[args.dtype]
+    if args.load_format == "dummy":
+        from transformers import AutoConfig
+
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, like the other engines
     ids = torch.tensor(prompts, device=args.device)  # equal lengths: no padding needed
 
@@ -86,10 +93,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from engine.default_model import default_model_dir
     from engine.loader import read_hf_config
 
-    model_dir = args.model or str(default_model_dir())
+    if args.model is None:
+        from engine.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    model_dir = args.model
     vocab = read_hf_config(model_dir)["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

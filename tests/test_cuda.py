@@ -1,0 +1,59 @@
+"""The CUDA path: greedy equal to transformers on the GPU, and the KV pool sized from GPU memory."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import ARCHS
+from tests.test_greedy_equality import MODES, PROMPT_LENGTHS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_architectures_match_transformers_on_cuda(arch, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = tiny_model_dir(arch)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(ids):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for mode, (kwargs, alone) in MODES.items():
+        kwargs = {"num_gpu_blocks_override": 256, **kwargs}  # a small pool: several engines share the GPU
+        llm = LLM(str(model_dir), dtype="float32", device="cuda", **kwargs)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts] if alone else \
+            llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda: mode {mode!r} diverges"
+
+
+def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():
+    gc.collect()  # engines of earlier tests hold GPU memory until collected
+    torch.cuda.empty_cache()
+    llm = LLM(str(CONFIGS / "qwen3-0.6b"), dtype="bfloat16", device="cuda", load_format="dummy",
+              gpu_memory_utilization=0.5, max_model_len=4096)
+    engine = llm.engine
+    free, total = torch.cuda.mem_get_info()
+    kv_bytes = engine.runner.num_blocks * engine.runner.bytes_per_block
+    assert kv_bytes > 0.2 * total, "half the GPU minus weights and activations should mostly go to the KV cache"
+    assert torch.cuda.memory_allocated() < 0.5 * total
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 150000, (n,), generator=gen).tolist() for n in (5, 300, 1000, 64)]
+    params = [SamplingParams(temperature=t, max_tokens=32, ignore_eos=True, seed=1) for t in (0.0, 0.8, 1.0, 0.0)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
