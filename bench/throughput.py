@@ -31,7 +31,8 @@ def run_pagoda(args, prompts) -> dict:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    # The same warm-up as the transformers run: the whole batch, 4 tokens.
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     _sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,5 +1,7 @@
 """pagoda's inference engine: a library with no HTTP in it."""
 
+import logging
+
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -15,3 +17,16 @@ __all__ = [
     "CompletionOutput",
     "TokenLogprobs",
 ]
+
+
+def _default_logging() -> None:
+    """Start-up reports (model, KV capacity) reach the console unless the application set up logging."""
+    log = logging.getLogger("pagoda")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+_default_logging()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from engine import LLM, SamplingParams
 
@@ -16,7 +15,6 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": p}] for p in args.prompts]

@@ -6,6 +6,7 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -17,6 +18,19 @@ from engine.scheduler import Scheduler
 from engine.sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger("pagoda.engine")
+
+
+@dataclass
+class StepStats:
+    """What one step did and the state it left, for metrics."""
+
+    num_batched_tokens: int
+    num_prefill_tokens: int  # of num_batched_tokens, those of prompts (incl. recomputation)
+    num_generated_tokens: int
+    num_preempted: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
 
 
 class LLMEngine:
@@ -58,6 +72,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self.last_step: StepStats | None = None
 
     def _resolve_max_model_len(self, mc) -> int:
         limit = mc.max_position_embeddings
@@ -90,7 +105,7 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self._check_prompt(token_ids, params)
+        self.check_request(token_ids, params)
         request = Request(request_id, text, token_ids, params, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -98,7 +113,8 @@ class LLMEngine:
         self.scheduler.add(self._new_sequence(request, 0))
         return request
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter (naming the param) if this prompt and params cannot be served."""
         if not token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.runner.vocab_size
@@ -161,7 +177,12 @@ class LLMEngine:
         """One scheduling round and forward; outputs of every request that changed."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.last_step = StepStats(0, 0, 0, len(sched.preempted), *self._occupancy())
             return []
+        scheduled_at = time.monotonic()
+        for item in sched.scheduled:
+            if item.seq.request.first_scheduled_time is None:
+                item.seq.request.first_scheduled_time = scheduled_at
         self.runner.copy_blocks(sched.block_copies)
         sampling: list[tuple[Sequence, int]] = []
         for row, item in enumerate(list(sched.scheduled)):
@@ -185,7 +206,19 @@ class LLMEngine:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
             outputs.append(RequestOutput.of(request))
+        # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
+        prefill_tokens = sum(
+            i.num_new_tokens for i in sched.scheduled
+            if i.num_new_tokens > 1 or i.seq.num_computed_tokens - 1 < i.seq.num_prompt_tokens
+        )
+        self.last_step = StepStats(
+            sched.num_batched_tokens, prefill_tokens, len(sampling), len(sched.preempted), *self._occupancy()
+        )
         return outputs
+
+    def _occupancy(self) -> tuple[int, int, float]:
+        bm = self.block_manager
+        return len(self.scheduler.running), len(self.scheduler.waiting), 1.0 - bm.num_free_blocks / bm.num_blocks
 
     def _fork_children(self, parent: Sequence, num_new_tokens: int) -> list[Sequence]:
         """The first time an n > 1 request's prompt is complete, its other n - 1 sequences are

@@ -86,6 +86,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -105,6 +106,16 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestTimes:
+    """time.monotonic() stamps of a request's life, for latency metrics."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+
+@dataclass
 class RequestOutput:
     """A snapshot of a request: cumulative text and tokens of each of its n outputs."""
 
@@ -113,6 +124,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    times: RequestTimes | None = None
 
     @classmethod
     def of(cls, request: Request) -> "RequestOutput":
@@ -127,4 +139,7 @@ class RequestOutput:
             )
             for s in sorted(request.seqs, key=lambda s: s.index)
         ]
-        return cls(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished)
+        times = RequestTimes(
+            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time
+        )
+        return cls(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished, times)
