@@ -1,8 +1,19 @@
-"""The physical KV block pool: free list, reference counts, copy-on-write for shared blocks."""
+"""The physical KV block pool: free list, reference counts, prefix cache, copy-on-write.
+
+Prefix caching: a full block is named by a chained hash, SHA-256 over the previous block's
+hash and this block's token ids, so a name stands for the whole prefix up to the block's end.
+A new sequence reuses every leading full block whose name is in the cache, shared by
+reference count, and skips computing those tokens. A freed block keeps its contents and its
+name and stays findable until the pool needs it; then the least recently freed goes first.
+SHA-256 rather than Python's 64-bit `hash`: a collision would silently hand one request
+another's KV, and with a collision-resistant hash none will be found in practice.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from engine.sequence import Sequence
 
@@ -10,20 +21,81 @@ from engine.sequence import Sequence
 class BlockManager:
     """Hands out fixed-size KV blocks to sequences.
 
-    A block may be shared by several sequences (n > 1 children fork the parent's table); its
-    reference count says by how many. A shared block is never written: a sequence about to write
-    into one gets a private copy first (copy-on-write) and the caller must copy the contents.
+    A block may be shared by several sequences (prefix-cache hits, n > 1 children forked off a
+    parent); its reference count says by how many. A shared block is never written: a sequence
+    about to write into one gets a private copy first (copy-on-write) and the caller copies the
+    contents. Only full blocks are named, and a full block is never written again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self.empty_blocks: deque[int] = deque(range(num_blocks))  # free, holding nothing reusable
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # free but named; oldest first
+        self.block_names: list[bytes | None] = [None] * num_blocks
+        self.cache: dict[bytes, int] = {}  # name -> block
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.empty_blocks) + len(self.cached_free)
+
+    @property
+    def free_blocks(self) -> list[int]:
+        return [*self.empty_blocks, *self.cached_free]
+
+    # ----- prefix cache -----
+
+    def block_names_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained names of `seq`'s first `num_blocks` full blocks (memoized on the sequence)."""
+        names = seq.block_hashes
+        bs = self.block_size
+        while len(names) < num_blocks:
+            i = len(names)
+            digest = hashlib.sha256(names[-1] if names else b"")
+            digest.update(array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes())
+            names.append(digest.digest())
+        return names[:num_blocks]
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with nothing computed: take every leading cached block; returns the
+        number of tokens that need no computing. At least one token is always left to compute,
+        since its logits are what the next token is sampled from."""
+        assert seq.num_computed_tokens == 0 and not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        full = (len(seq.token_ids) - 1) // self.block_size
+        self.prefix_queried_tokens += full * self.block_size
+        for name in self.block_names_of(seq, full):
+            block = self.cache.get(name)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.cached_free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        hit = len(seq.block_table) * self.block_size
+        self.prefix_hit_tokens += hit
+        seq.num_computed_tokens = hit
+        return hit
+
+    def name_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """After a step that computed `num_new_tokens` of `seq`: put the blocks it filled into the cache."""
+        if not self.enable_prefix_caching:
+            return
+        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
+        full = seq.num_computed_tokens // self.block_size
+        names = self.block_names_of(seq, full)
+        for i in range(first, full):
+            block, name = seq.block_table[i], names[i]
+            if self.block_names[block] is None and name not in self.cache:
+                self.block_names[block] = name
+                self.cache[name] = block
+
+    # ----- allocation -----
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take from the pool so `seq` can hold `num_new_tokens` more computed tokens."""
@@ -32,11 +104,11 @@ class BlockManager:
         return needed + (1 if self._shared_write_block(seq) is not None else 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def tokens_that_fit(self, seq: Sequence) -> int:
         """How many more tokens `seq` could compute with the blocks it has plus the free ones."""
-        free = len(self.free_blocks) - (1 if self._shared_write_block(seq) is not None else 0)
+        free = self.num_free_blocks - (1 if self._shared_write_block(seq) is not None else 0)
         return max(0, (len(seq.block_table) + free) * self.block_size - seq.num_computed_tokens)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -59,22 +131,45 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent`."""
         child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
         for block in child.block_table:
             self.ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        """Drop `seq`'s blocks. A named block that nobody holds stays in the cache, most recent last;
+        blocks are released last to first, so a prefix's tail is evicted before its head."""
+        for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if self.block_names[block] is not None:
+                    self.cached_free[block] = None
+                else:
+                    self.empty_blocks.append(block)
             elif self.ref_counts[block] < 0:
                 raise AssertionError(f"block {block} freed more often than taken")
         seq.block_table = []
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that nobody holds."""
+        while self.cached_free:
+            block, _ = self.cached_free.popitem(last=False)
+            self._forget(block)
+            self.empty_blocks.append(block)
+
     def _take(self) -> int:
-        block = self.free_blocks.popleft()
+        if self.empty_blocks:
+            block = self.empty_blocks.popleft()
+        else:  # evict the least recently freed cached block
+            block, _ = self.cached_free.popitem(last=False)
+            self._forget(block)
         self.ref_counts[block] = 1
         return block
+
+    def _forget(self, block: int) -> None:
+        name = self.block_names[block]
+        if name is not None:
+            del self.cache[name]
+            self.block_names[block] = None
 
     def _shared_write_block(self, seq: Sequence) -> tuple[int, int] | None:
         """(table index, block id) of the block the next token lands in, if another sequence shares it."""

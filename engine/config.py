@@ -30,6 +30,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # fix the pool size (tests, experiments)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -65,7 +65,7 @@ class LLMEngine:
             model_dir, type(self.runner.model).__name__, config.dtype, config.device,
             num_blocks, config.block_size, capacity, self.max_model_len,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
@@ -193,6 +193,7 @@ class LLMEngine:
         results = self.runner.execute(sched.scheduled, sampling)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.name_full_blocks(item.seq, item.num_new_tokens)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for (seq, _), sampled in zip(sampling, results):

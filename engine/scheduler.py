@@ -95,8 +95,11 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seats + seq.num_seqs_when_running > self.max_num_seqs:
                     break
+                self.block_manager.take_cached_prefix(seq)
                 num_new = self._chunk(seq, budget)
                 if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
+                    self.block_manager.free(seq)  # give the cached prefix back; it stays cached
+                    seq.num_computed_tokens = 0
                     break
                 self.waiting.pop(0)
                 seats += seq.num_seqs_when_running

@@ -147,3 +147,17 @@ def test_abort_frees_blocks(tiny):
     engine.abort_request("a")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_higher_priority_requests_finish_first_under_contention(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    priorities = [3, 2, 1, 0, 3, 2, 1, 0]
+    for i, priority in enumerate(priorities):
+        engine.add_request(f"p{i}", list(range(1, 10 + i)), params, priority=priority)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    finished_priorities = [priorities[int(r[1:])] for r in order]
+    assert finished_priorities == sorted(finished_priorities)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -22,6 +23,11 @@ def check_invariants(engine: LLMEngine) -> None:
     free = list(bm.free_blocks)
     assert len(free) == len(set(free)), "a block is on the free list twice"
     assert set(free) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}
+    # The prefix cache: names and blocks correspond one to one; free named blocks stay findable.
+    assert {b for b in range(bm.num_blocks) if bm.block_names[b] is not None} == set(bm.cache.values())
+    assert all(bm.block_names[b] == name for name, b in bm.cache.items())
+    assert all(bm.block_names[b] is not None for b in bm.cached_free)
+    assert all(bm.block_names[b] is None for b in bm.empty_blocks)
     for s in live:
         assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
         if s.status is SequenceStatus.WAITING:
@@ -35,11 +41,11 @@ def check_invariants(engine: LLMEngine) -> None:
 def engine_factory(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
 
-    def make(num_blocks: int, max_num_seqs: int, budget: int, chunked: bool) -> LLMEngine:
+    def make(num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool) -> LLMEngine:
         return LLMEngine(EngineConfig(
             model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=num_blocks,
             block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-            enable_chunked_prefill=chunked,
+            enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
         ))
 
     return make
@@ -47,6 +53,7 @@ def engine_factory(tiny_model_dir):
 
 request_strategy = st.fixed_dictionaries({
     "prompt_len": st.integers(1, 40),
+    "family": st.integers(0, 2),  # requests of a family share their leading tokens (prefix-cache hits)
     "max_tokens": st.integers(1, 20),
     "n": st.integers(1, 3),
     "priority": st.integers(0, 2),
@@ -63,9 +70,12 @@ request_strategy = st.fixed_dictionaries({
     max_num_seqs=st.integers(1, 8),
     budget=st.sampled_from([8, 16, 64]),
     chunked=st.booleans(),
+    prefix_caching=st.booleans(),
 )
-def test_random_workloads_finish_and_free_everything(engine_factory, requests, num_blocks, max_num_seqs, budget, chunked):
-    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked)
+def test_random_workloads_finish_and_free_everything(
+    engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching
+):
+    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching)
     finished: dict[str, object] = {}
     step = 0
     pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive_at"])
@@ -74,7 +84,7 @@ def test_random_workloads_finish_and_free_everything(engine_factory, requests, n
             i, r = pending.pop(0)
             params = SamplingParams(n=min(r["n"], max_num_seqs), max_tokens=min(r["max_tokens"], 63 - r["prompt_len"]),
                                     temperature=r["temperature"], ignore_eos=True, seed=i)
-            engine.add_request(f"r{i}", [(i * 7 + j) % 500 + 1 for j in range(r["prompt_len"])], params,
+            engine.add_request(f"r{i}", [(r["family"] * 7 + j) % 500 + 1 for j in range(r["prompt_len"])], params,
                                priority=r["priority"])
         for i, r in enumerate(requests):
             if r["abort_at"] == step and f"r{i}" in engine.requests:
@@ -131,3 +141,30 @@ def test_freeing_twice_is_caught():
     seq.block_table = table
     with pytest.raises(AssertionError):
         bm.free(seq)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_factory, seed):
+    rng = random.Random(seed)
+    engine = engine_factory(24, 16, 48, True, True)
+    live: list[str] = []
+    done = 0
+    for i in range(1000):
+        params = SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=rng.randint(1, 8), ignore_eos=True,
+                                temperature=rng.choice([0.0, 1.0]), seed=i)
+        family = rng.randint(0, 4)
+        prompt = [(family * 11 + j) % 500 + 1 for j in range(rng.randint(1, 30))]
+        engine.add_request(f"q{i}", prompt, params, priority=rng.randint(0, 3))
+        live.append(f"q{i}")
+        if rng.random() < 0.1:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        if i % 4 == 0:
+            done += sum(o.finished for o in engine.step())
+            check_invariants(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_invariants(engine)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
