@@ -133,6 +133,11 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if not engine.has_unfinished_requests():
+                    # An abort can leave the engine idle with no step to come: an empty step reports
+                    # the state it left (blocks freed), so metrics do not show the last busy step forever.
+                    engine.step()
+                    if self.on_step is not None and engine.last_step is not None:
+                        self.on_step(engine.last_step)
                     continue
                 outputs = engine.step()
                 self.num_steps += 1

@@ -128,6 +128,12 @@ class BlockManager:
             seq.block_table.append(self._take())
         return copies
 
+    def take_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` private blocks (for a sequence swapped back in)."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError("out of KV blocks")
+        return [self._take() for _ in range(num_blocks)]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent`."""
         child.block_table = list(parent.block_table)
@@ -177,3 +183,21 @@ class BlockManager:
         if index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1:
             return index, seq.block_table[index]
         return None
+
+
+class SwapPool:
+    """Free list of the CPU swap space's blocks; a swapped-out sequence holds its own copies."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def take(self) -> int:
+        return self.free.popleft()
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)

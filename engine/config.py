@@ -31,6 +31,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap (to a CPU pool of swap_space GiB)
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption_mode="swap")
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -43,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < self.block_size:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, SampledToken
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -30,6 +30,7 @@ class StepStats:
     num_preempted: int
     num_running: int
     num_waiting: int
+    num_swapped: int
     kv_cache_usage: float  # fraction of KV blocks in use
 
 
@@ -66,8 +67,13 @@ class LLMEngine:
             num_blocks, config.block_size, capacity, self.max_model_len,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        swap_pool = None
+        if config.preemption_mode == "swap":
+            swap_pool = SwapPool(self.runner.allocate_swap_space(config.swap_space))
+            log.info("swap space: %d blocks (%.1f GiB of CPU memory)", swap_pool.num_blocks, config.swap_space)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            swap_pool,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -183,6 +189,9 @@ class LLMEngine:
         for item in sched.scheduled:
             if item.seq.request.first_scheduled_time is None:
                 item.seq.request.first_scheduled_time = scheduled_at
+        # Order matters: a block swapped out may be reused as a swap-in or copy target this step.
+        self.runner.swap_blocks(sched.swap_out, to_cpu=True)
+        self.runner.swap_blocks(sched.swap_in, to_cpu=False)
         self.runner.copy_blocks(sched.block_copies)
         sampling: list[tuple[Sequence, int]] = []
         for row, item in enumerate(list(sched.scheduled)):
@@ -217,9 +226,9 @@ class LLMEngine:
         )
         return outputs
 
-    def _occupancy(self) -> tuple[int, int, float]:
-        bm = self.block_manager
-        return len(self.scheduler.running), len(self.scheduler.waiting), 1.0 - bm.num_free_blocks / bm.num_blocks
+    def _occupancy(self) -> tuple[int, int, int, float]:
+        bm, sched = self.block_manager, self.scheduler
+        return len(sched.running), len(sched.waiting), len(sched.swapped), 1.0 - bm.num_free_blocks / bm.num_blocks
 
     def _fork_children(self, parent: Sequence, num_new_tokens: int) -> list[Sequence]:
         """The first time an n > 1 request's prompt is complete, its other n - 1 sequences are

@@ -40,6 +40,7 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ----- KV cache -----
 
@@ -136,6 +137,34 @@ class ModelRunner:
             block_tables=block_tables.to(self.device, non_blocking=True),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
         )
+
+    def allocate_swap_space(self, gib: float) -> int:
+        """CPU copies of the KV layout for swapped-out blocks (pinned when the cache is on a GPU)."""
+        num_blocks = int(gib * 2**30 // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("swap_space is too small to hold one KV block")
+        mc = self.model.config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        pin = self.device.type == "cuda"
+        self.swap_caches = [
+            (torch.zeros(shape, dtype=self.dtype, pin_memory=pin), torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
+            for _ in self.kv_caches
+        ]
+        return num_blocks
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copy whole blocks (all layers) device -> CPU pool (to_cpu) or back, as (src, dst) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs])
+        for (k, v), (cpu_k, cpu_v) in zip(self.kv_caches, self.swap_caches):
+            if to_cpu:
+                cpu_k.index_copy_(0, dst, k.index_select(0, src.to(self.device)).cpu())
+                cpu_v.index_copy_(0, dst, v.index_select(0, src.to(self.device)).cpu())
+            else:
+                k.index_copy_(0, dst.to(self.device), cpu_k.index_select(0, src).to(self.device))
+                v.index_copy_(0, dst.to(self.device), cpu_v.index_select(0, src).to(self.device))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers) before a shared one is written."""

@@ -3,15 +3,17 @@
 Every sequence carries `num_computed_tokens`; a step gives it `num_new_tokens` more (1 for a
 decode, a chunk for a prefill). Running sequences come first, decodes before prefill chunks, so
 decodes are never starved by a long prompt; waiting sequences are admitted with what is left.
-When the pool runs dry, the lowest-priority, latest running sequence is preempted: its blocks are
-dropped and it waits to be recomputed.
+When the pool runs dry, the lowest-priority, latest running sequence is preempted: either its
+blocks are dropped and it waits to be recomputed ("recompute"), or they are copied to a CPU
+pool and back later ("swap"; recompute when the CPU pool is full). Swapped sequences come back
+before any waiting one is admitted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, SwapPool
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -30,6 +32,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block), first of all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block), then these
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -48,21 +52,24 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        swap_pool: SwapPool | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.swap_pool = swap_pool  # None: recompute-only preemption
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -87,27 +94,50 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
-        # Admit waiting sequences only if nothing was preempted: a preemption means the pool is full.
-        if not out.preempted:
-            self.waiting.sort(key=lambda s: s.sort_key)
-            seats = sum(s.num_seqs_when_running for s in self.running)
-            while self.waiting:
-                seq = self.waiting[0]
-                if seats + seq.num_seqs_when_running > self.max_num_seqs:
-                    break
-                self.block_manager.take_cached_prefix(seq)
-                num_new = self._chunk(seq, budget)
-                if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
-                    self.block_manager.free(seq)  # give the cached prefix back; it stays cached
-                    seq.num_computed_tokens = 0
-                    break
-                self.waiting.pop(0)
-                seats += seq.num_seqs_when_running
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.block_copies += self.block_manager.allocate(seq, num_new)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
+        # Bring back swapped and admit waiting sequences only if nothing was preempted: a
+        # preemption means the pool is full.
+        if out.preempted:
+            return out
+        seats = sum(s.num_seqs_when_running for s in self.running)
+        self.swapped.sort(key=lambda s: s.sort_key)
+        while self.swapped:
+            seq = self.swapped[0]
+            num_new = seq.num_uncomputed_tokens
+            if self.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            # With its table empty, blocks_needed counts the blocks to swap back in as well.
+            blocks = self.block_manager.blocks_needed(seq, num_new)
+            if (
+                seats + seq.num_seqs_when_running > self.max_num_seqs
+                or num_new == 0
+                or num_new > budget
+                or blocks > self.block_manager.num_free_blocks
+            ):
+                return out  # keep the order: nothing overtakes a swapped sequence
+            self.swapped.pop(0)
+            self._swap_in(seq, out)
+            out.block_copies += self.block_manager.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            seats += seq.num_seqs_when_running
+            budget -= num_new
+        self.waiting.sort(key=lambda s: s.sort_key)
+        while self.waiting:
+            seq = self.waiting[0]
+            if seats + seq.num_seqs_when_running > self.max_num_seqs:
+                break
+            self.block_manager.take_cached_prefix(seq)
+            num_new = self._chunk(seq, budget)
+            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
+                self.block_manager.free(seq)  # give the cached prefix back; it stays cached
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            seats += seq.num_seqs_when_running
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.block_copies += self.block_manager.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -128,14 +158,32 @@ class Scheduler:
         return max(candidates, key=lambda s: s.sort_key, default=None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute-mode preemption: drop the blocks, recompute prompt + output when readmitted."""
+        """Take `seq`'s device blocks away: swap them to the CPU pool if it has room, else drop
+        them and recompute prompt + output when the sequence is readmitted."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        pool = self.swap_pool
+        if pool is not None and len(seq.block_table) <= pool.num_free_blocks:
+            seq.swapped_blocks = [pool.take() for _ in seq.block_table]
+            out.swap_out += list(zip(seq.block_table, seq.swapped_blocks))
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_preemptions["swap"] += 1
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.running.remove(seq)
+        self.num_preemptions["recompute"] += 1
         self.add(seq)
-        out.preempted.append(seq)
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.block_table = self.block_manager.take_blocks(len(seq.swapped_blocks))
+        out.swap_in += list(zip(seq.swapped_blocks, seq.block_table))
+        self.swap_pool.give_back(seq.swapped_blocks)
+        seq.swapped_blocks = []
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A child forked from a running parent joins the running set directly."""
@@ -148,6 +196,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_pool.give_back(seq.swapped_blocks)
+            seq.swapped_blocks = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

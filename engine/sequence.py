@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    SWAPPED = "swapped"  # preempted; its KV blocks wait in the CPU swap pool
     FINISHED = "finished"
 
 
@@ -37,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks (prefix cache)
+    swapped_blocks: list[int] = field(default_factory=list)  # CPU swap-pool blocks, while SWAPPED
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str = ""

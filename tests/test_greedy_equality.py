@@ -38,6 +38,7 @@ MODES = {
     "batch": ({}, False),
     "chunked": ({"max_num_batched_tokens": 32}, False),
     "preempt": ({"num_gpu_blocks_override": 12, "max_model_len": 192}, False),
+    "swap": ({"num_gpu_blocks_override": 12, "max_model_len": 192, "preemption_mode": "swap", "swap_space": 0.01}, False),
 }
 
 
@@ -60,8 +61,9 @@ def test_tiny_architectures_match_transformers(arch, tiny_model_dir):
     for mode, (kwargs, alone) in MODES.items():
         got, llm = pagoda_greedy(model_dir, prompts, NEW_TOKENS, kwargs, alone)
         assert got == expected, f"{arch}: mode {mode!r} diverges from transformers"
-        if mode == "preempt":
-            assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should have forced preemption"
+        if mode in ("preempt", "swap"):
+            kind = "swap" if mode == "swap" else "recompute"
+            assert llm.engine.scheduler.num_preemptions[kind] > 0, "the tiny pool should have forced preemption"
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -82,12 +84,12 @@ def test_default_model_matches_transformers(default_model_dir):
     assert len({len(p) for p in prompts}) == len(prompts)
     expected = hf_greedy(default_model_dir, prompts, NEW_TOKENS)
     for mode, (kwargs, alone) in MODES.items():
-        if mode == "preempt":  # the chat prompts are longer: a pool of 256 tokens still forces preemption
-            kwargs = {"num_gpu_blocks_override": 16, "max_model_len": 256}
+        if mode in ("preempt", "swap"):  # the chat prompts are longer: a pool of 256 tokens still preempts
+            kwargs = {**kwargs, "num_gpu_blocks_override": 16, "max_model_len": 256}
         got, llm = pagoda_greedy(default_model_dir, prompts, NEW_TOKENS, kwargs, alone)
         assert got == expected, f"default model: mode {mode!r} diverges from transformers"
-        if mode == "preempt":
-            assert llm.engine.scheduler.num_preemptions > 0
+        if mode in ("preempt", "swap"):
+            assert llm.engine.scheduler.num_preemptions["swap" if mode == "swap" else "recompute"] > 0
 
 
 def test_default_model_answers_paris():

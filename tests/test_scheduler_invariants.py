@@ -29,23 +29,34 @@ def check_invariants(engine: LLMEngine) -> None:
     assert all(bm.block_names[b] is not None for b in bm.cached_free)
     assert all(bm.block_names[b] is None for b in bm.empty_blocks)
     for s in live:
-        assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
+        held = s.swapped_blocks if s.status is SequenceStatus.SWAPPED else s.block_table
+        assert len(held) * bm.block_size >= s.num_computed_tokens
         if s.status is SequenceStatus.WAITING:
             assert s.block_table == [] and s.num_computed_tokens == 0
+        if s.status is SequenceStatus.SWAPPED:
+            assert s.block_table == []
     sched = engine.scheduler
     assert len(sched.running) <= sched.max_num_seqs
-    assert {s.seq_id for s in sched.running} | {s.seq_id for s in sched.waiting} == {s.seq_id for s in live}
+    queues = [sched.running, sched.waiting, sched.swapped]
+    assert sorted(s.seq_id for q in queues for s in q) == sorted(s.seq_id for s in live)
+    if sched.swap_pool is not None:
+        held = [b for s in sched.swapped for b in s.swapped_blocks]
+        assert len(held) == len(set(held)) and not set(held) & set(sched.swap_pool.free)
+        assert len(held) + sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
 
 
 @pytest.fixture(scope="module")
 def engine_factory(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
 
-    def make(num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool) -> LLMEngine:
+    def make(
+        num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool, swap: bool = False
+    ) -> LLMEngine:
         return LLMEngine(EngineConfig(
             model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=num_blocks,
             block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
             enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
+            preemption_mode="swap" if swap else "recompute", swap_space=0.0005,
         ))
 
     return make
@@ -71,11 +82,12 @@ request_strategy = st.fixed_dictionaries({
     budget=st.sampled_from([8, 16, 64]),
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
+    swap=st.booleans(),
 )
 def test_random_workloads_finish_and_free_everything(
-    engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching
+    engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching, swap
 ):
-    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching)
+    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching, swap)
     finished: dict[str, object] = {}
     step = 0
     pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive_at"])
@@ -147,7 +159,7 @@ def test_freeing_twice_is_caught():
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_factory, seed):
     rng = random.Random(seed)
-    engine = engine_factory(24, 16, 48, True, True)
+    engine = engine_factory(24, 16, 48, True, True, swap=seed % 2 == 0)
     live: list[str] = []
     done = 0
     for i in range(1000):
@@ -167,4 +179,4 @@ def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_facto
         check_invariants(engine)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.swapped
