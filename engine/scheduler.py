@@ -120,25 +120,54 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seats += seq.num_seqs_when_running
             budget -= num_new
+        bm = self.block_manager
+        in_flight = self._blocks_in_flight(out.scheduled)
         self.waiting.sort(key=lambda s: s.sort_key)
-        while self.waiting:
-            seq = self.waiting[0]
+        admitted: set[int] = set()
+        for seq in self.waiting:
             if seats + seq.num_seqs_when_running > self.max_num_seqs:
                 break
-            self.block_manager.take_cached_prefix(seq)
+            bm.take_cached_prefix(seq)
             num_new = self._chunk(seq, budget)
-            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
-                self.block_manager.free(seq)  # give the cached prefix back; it stays cached
+            deferred = self._next_block_in_flight(seq, in_flight)
+            if deferred or num_new == 0 or not bm.can_allocate(seq, num_new):
+                bm.free(seq)  # give the cached prefix back; it stays cached
                 seq.num_computed_tokens = 0
+                if deferred:  # next step its prefix will be cached: wait rather than compute it twice
+                    continue
                 break
-            self.waiting.pop(0)
+            admitted.add(seq.seq_id)
             seats += seq.num_seqs_when_running
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.block_copies += self.block_manager.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.block_copies += bm.allocate(seq, num_new)
+            item = ScheduledSeq(seq, num_new)
+            out.scheduled.append(item)
+            in_flight |= self._blocks_in_flight([item])
             budget -= num_new
+        self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
         return out
+
+    def _blocks_in_flight(self, items: list[ScheduledSeq]) -> set[bytes]:
+        """Names of the full blocks these chunks are about to compute (empty without prefix caching)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return set()
+        names: set[bytes] = set()
+        for item in items:
+            first = item.seq.num_computed_tokens // bm.block_size
+            full = (item.seq.num_computed_tokens + item.num_new_tokens) // bm.block_size
+            names.update(bm.block_names_of(item.seq, full)[first:])
+        return names
+
+    def _next_block_in_flight(self, seq: Sequence, in_flight: set[bytes]) -> bool:
+        """Whether the first block `seq` would compute is being computed this step by another sequence."""
+        if not in_flight:
+            return False
+        index = len(seq.block_table)
+        if index >= (len(seq.token_ids) - 1) // self.block_manager.block_size:
+            return False
+        return self.block_manager.block_names_of(seq, index + 1)[index] in in_flight
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of `seq`'s uncomputed tokens to run now: all, or with chunked prefill as many

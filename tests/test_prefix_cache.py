@@ -104,3 +104,18 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
     assert len(bm.cache) == 1 + 2
     again = _seq(2, [1, 2, 3, 4, 5])
     assert bm.take_cached_prefix(again) == 2
+
+
+def test_simultaneous_requests_compute_a_shared_prefix_once(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_batched_tokens=512)
+    engine = llm.engine
+    system = list(range(1, 49))  # 3 full blocks
+    prompts = [system + [100 + i, 200 + i, 300 + i] for i in range(8)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    computed = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        computed += engine.last_step.num_prefill_tokens
+    assert computed == 48 + 8 * 3, "the shared 48 tokens should be computed by one request only"
+    assert engine.block_manager.prefix_hit_tokens == 7 * 48
