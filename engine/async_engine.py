@@ -34,6 +34,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    queue_timeout: float | None
     stream: "_Stream"
 
 
@@ -87,7 +88,12 @@ class AsyncEngine:
     # ----- the asyncio side -----
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        queue_timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (prompt already tokenized) and yield its outputs until it finishes.
 
@@ -99,7 +105,7 @@ class AsyncEngine:
         with self._lock:  # against the loop thread closing between the check and the put
             if not self.is_alive:
                 raise EngineDeadError("the engine is not running")
-            self._commands.put(_Add(request_id, prompt, params, priority, time.monotonic(), stream))
+            self._commands.put(_Add(request_id, prompt, params, priority, time.monotonic(), queue_timeout, stream))
         try:
             while True:
                 item = await stream.queue.get()
@@ -160,7 +166,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                command.request_id, command.prompt, command.params, command.priority, command.arrival_time
+                command.request_id, command.prompt, command.params, command.priority, command.arrival_time,
+                command.queue_timeout,
             )
         except Exception as exc:  # e.g. a duplicate request id: that request fails, the loop goes on
             self._deliver(command.stream, [exc])

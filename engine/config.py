@@ -32,6 +32,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # recompute | swap (to a CPU pool of swap_space GiB)
+    queue_timeout: float | None = None  # seconds a request may wait unscheduled before it fails ("timeout")
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption_mode="swap")
 
     def __post_init__(self) -> None:

@@ -101,8 +101,12 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        queue_timeout: float | None = None,
     ) -> Request:
-        """Queue a request; raises InvalidParameter (with the offending param) when it cannot be served."""
+        """Queue a request; raises InvalidParameter (with the offending param) when it cannot be served.
+
+        A request still waiting for its first scheduling `queue_timeout` seconds after arrival
+        (default: the config's `queue_timeout`) finishes with finish_reason "timeout"."""
         if request_id in self.requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -115,6 +119,9 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        timeout = queue_timeout if queue_timeout is not None else self.config.queue_timeout
+        if timeout is not None:
+            request.queue_deadline = request.arrival_time + timeout
         self.requests[request_id] = request
         self.scheduler.add(self._new_sequence(request, 0))
         return request
@@ -181,10 +188,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round and forward; outputs of every request that changed."""
+        expired = self._expire_queued()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.last_step = StepStats(0, 0, 0, len(sched.preempted), *self._occupancy())
-            return []
+            return expired
         scheduled_at = time.monotonic()
         for item in sched.scheduled:
             if item.seq.request.first_scheduled_time is None:
@@ -210,7 +218,7 @@ class LLMEngine:
             request = seq.request
             request.first_token_time = request.first_token_time or now
             touched[request.request_id] = request
-        outputs = []
+        outputs = expired
         for request in touched.values():
             if request.is_finished:
                 request.finished_time = now
@@ -229,6 +237,23 @@ class LLMEngine:
     def _occupancy(self) -> tuple[int, int, int, float]:
         bm, sched = self.block_manager, self.scheduler
         return len(sched.running), len(sched.waiting), len(sched.swapped), 1.0 - bm.num_free_blocks / bm.num_blocks
+
+    def _expire_queued(self) -> list[RequestOutput]:
+        """Finish requests that waited past their queue deadline without ever being scheduled."""
+        now = time.monotonic()
+        expired = [
+            s.request for s in self.scheduler.waiting
+            if s.request.queue_deadline is not None and s.request.first_scheduled_time is None
+            and now > s.request.queue_deadline
+        ]
+        outputs = []
+        for request in expired:
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "timeout")
+            request.finished_time = now
+            self.requests.pop(request.request_id, None)
+            outputs.append(RequestOutput.of(request))
+        return outputs
 
     def _fork_children(self, parent: Sequence, num_new_tokens: int) -> list[Sequence]:
         """The first time an n > 1 request's prompt is complete, its other n - 1 sequences are

@@ -39,7 +39,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks (prefix cache)
     swapped_blocks: list[int] = field(default_factory=list)  # CPU swap-pool blocks, while SWAPPED
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" (never scheduled in time)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
@@ -89,12 +89,15 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
+    queue_deadline: float | None = None  # finish with "timeout" if not scheduled by then
     first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None
 
     @property
     def is_finished(self) -> bool:
+        if self.seqs and self.seqs[0].finish_reason == "timeout":
+            return True  # timed out before the n - 1 children were forked
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 

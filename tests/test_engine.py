@@ -161,3 +161,18 @@ def test_higher_priority_requests_finish_first_under_contention(tiny_model_dir):
         order += [o.request_id for o in engine.step() if o.finished]
     finished_priorities = [priorities[int(r[1:])] for r in order]
     assert finished_priorities == sorted(finished_priorities)
+
+
+def test_a_request_queued_past_its_timeout_finishes_with_timeout(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request("busy", list(range(1, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("late", list(range(1, 10)), SamplingParams(max_tokens=5, n=1), queue_timeout=0.0)
+    engine.add_request("patient", list(range(1, 10)), SamplingParams(max_tokens=5, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["late"].outputs[0].finish_reason == "timeout"
+    assert finished["late"].outputs[0].token_ids == []
+    assert len(finished["patient"].outputs[0].token_ids) == 5
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
