@@ -515,7 +515,8 @@ def test_64_concurrent_streams_complete_with_correct_outputs(async_client_factor
 def test_metrics_parse_and_move_with_requests(server, client):
     before = scrape(server.url)
     names = {name for name, _ in before}
-    for family in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+    for family in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                   "prompt_tokens_total",
                    "generation_tokens_total", "num_preemptions_total", "iteration_tokens_total_count",
                    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                    "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):

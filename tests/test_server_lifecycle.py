@@ -5,13 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.test_server import FRANCE, start_server, wait_for_metric
+from tests.test_server import FRANCE, scrape, start_server, wait_for_metric
 
 KEY = "sekret-key"
 NAME = "tiny-queue"
@@ -19,11 +20,12 @@ NAME = "tiny-queue"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # One sequence at a time and one waiting at most: the third concurrent request is refused.
+    # One sequence at a time and one waiting at most: the third concurrent request is refused;
+    # a request that waits 4 s without a seat is refused too.
     srv = start_server(
         tmp_path_factory.mktemp("server"), "--api-key", KEY, "--served-model-name", NAME,
         "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "512",
-        "--num-gpu-blocks-override", "64",
+        "--num-gpu-blocks-override", "64", "--queue-timeout", "4",
     )
     yield srv
     srv.stop()
@@ -74,6 +76,23 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     assert waiting_result["out"].usage.completion_tokens == 2
 
 
+def test_a_request_that_waits_past_the_queue_timeout_is_answered_503(server):
+    client = client_for(server, KEY)
+    before = scrape(server.url)
+    running = client.completions.create(model=NAME, prompt="Count:", max_tokens=400, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(running))
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    assert 4 <= time.monotonic() - t0 < 30
+    assert err.value.status_code == 503 and err.value.body["code"] == "queue_timeout"
+    assert err.value.response.headers["retry-after"]
+    running.close()
+    timeout = ("pagoda:request_success_total", (("finished_reason", "timeout"),))
+    assert scrape(server.url)[timeout] == before.get(timeout, 0) + 1
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
     srv = start_server(tmp_path, "--max-model-len", "512", "--num-gpu-blocks-override", "64")
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -97,7 +116,8 @@ def test_help_explains_every_flag():
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--load-format", "--device", "--seed", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
                  "--max-waiting-requests", "--uvicorn-log-level", "--shutdown-timeout",
-                 "--disable-uvicorn-access-log", "--num-gpu-blocks-override"):
+                 "--disable-uvicorn-access-log", "--num-gpu-blocks-override", "--enable-prefix-caching",
+                 "--preemption-mode", "--swap-space", "--queue-timeout"):
         assert flag in out.stdout, flag
     bad = subprocess.run([str(pagoda), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--max-num-seqs" in bad.stderr

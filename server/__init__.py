@@ -1,0 +1,1 @@
+"""pagoda's HTTP front end: an OpenAI-compatible API over engine.AsyncEngine."""

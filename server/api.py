@@ -1,0 +1,401 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, auth, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.sampling_params import InvalidParameter, SamplingParams
+from server import render
+from server.metrics import Metrics
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorBody,
+    ErrorInfo,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, sse_events
+
+log = logging.getLogger("pagoda.server")
+
+# Paths that answer without an API key: probes and scrapers carry none.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_RETRY_AFTER_S = 1  # queue full: a request finishes every few steps, so retry soon
+_DEAD_RETRY_AFTER_S = 30  # engine dead: this process will not recover; wait for a restart
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    model_dir: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None  # None: unbounded
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> Response:
+        return json_response(self.body(), self.status, self.headers)
+
+
+def json_response(body: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    # pydantic writes a non-finite float (a -inf logprob) as null; json.dumps would write invalid JSON.
+    return Response(body.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """The OpenAI-shaped error for an exception; unexpected ones become a 500 that says nothing inside."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, QueueTimeout):
+        return APIError(503, str(exc), "server_error", code="queue_timeout",
+                        headers={"Retry-After": str(_RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", "server_error", code="engine_dead",
+                        headers={"Retry-After": str(_DEAD_RETRY_AFTER_S)})
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, "internal server error; the server log has the details", "server_error")
+
+
+def _param_path(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in ("str", "int") and not part.startswith(("list[", "function-")):  # union member tags
+            path += f".{part}" if path else part
+    return path or None
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = _param_path(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {param}", param=param)
+    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on every path but the probes. A plain ASGI middleware, so it answers before
+    the body is even parsed and leaves streaming responses alone."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant-time, so the key cannot be guessed byte by byte from response times.
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class CatchAllMiddleware:
+    """Any exception no handler took becomes a logged 500 with an OpenAI-shaped body and no traceback.
+
+    (Starlette's own catch-all re-raises after answering, so the server would log it a second time.)
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_and_note(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            error = as_api_error(exc)
+            if not started and scope["type"] == "http":
+                await error.response()(scope, receive, send)
+
+
+class _Server:
+    """What the routes share: the engine, its tokenizer thread, metrics and the admission count."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.metrics = Metrics(self.model_name, engine.engine.config.max_num_batched_tokens)
+        self.admission = Admission(settings.max_waiting_requests)
+        self.strings = render.TokenStrings(self.tokenizer)
+        # Tokenizing and templating run here, off the event loop, so a long prompt never stalls the
+        # streams. One thread is enough: a prompt takes a millisecond or so, and more threads would
+        # only compete with the engine for the cores.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
+        self.created = int(time.time())
+
+    async def in_thread(self, fn, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"{', '.join(self.settings.served_model_names)}", param="model",
+                           code="model_not_found")
+
+    def admit(self) -> None:
+        if not self.engine.is_alive:
+            raise EngineDeadError(str(self.engine.error or "stopped"))
+        if self.admission.full:
+            raise APIError(503, f"the server is at capacity: {self.admission.queued} requests are waiting; "
+                                "retry later", "server_error", code="queue_full",
+                           headers={"Retry-After": str(_RETRY_AFTER_S)})
+
+    def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for prompt in prompts:
+            # Before anything is queued, so a bad prompt in a list leaves no other prompt running.
+            self.engine.engine.check_request(prompt, params)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The templated prompt's token ids (call it in the tokenizer thread)."""
+        conversation = []
+        for i, message in enumerate(messages):
+            role = message.role
+            if role not in ("system", "developer", "user", "assistant"):
+                raise APIError(400, f"messages[{i}].role '{role}' is not supported (tool calling is not "
+                                    "implemented)", param=f"messages[{i}].role")
+            if isinstance(message.content, str):
+                text = message.content
+            else:
+                for j, part in enumerate(message.content):
+                    if part.type != "text":
+                        raise APIError(400, f"content part type '{part.type}' is not supported: only text",
+                                       param=f"messages[{i}].content[{j}].type")
+                    if part.text is None:
+                        raise APIError(400, "a text content part needs its text",
+                                       param=f"messages[{i}].content[{j}].text")
+                # Several text parts are one message; a newline keeps their words apart (as vLLM joins them).
+                text = "\n".join(part.text for part in message.content)
+            # OpenAI's newer name for the system role; chat templates know only "system".
+            conversation.append({"role": "system" if role == "developer" else role, "content": text})
+        try:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    def text_prompts(self, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
+        """Completions' prompt in any of its four shapes, as token id lists (call it in the tokenizer thread)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        if isinstance(prompt[0], list):
+            return [list(p) for p in prompt]
+        return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
+
+
+def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"'{name}' is not supported by pagoda yet", param=name, code="unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The app for an AsyncEngine. The app starts the engine loop when it starts and stops it when it stops."""
+    server = _Server(engine, settings)
+    engine.on_step = server.metrics.on_step
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        # After uvicorn has drained the in-flight requests (or given up waiting).
+        await asyncio.to_thread(engine.shutdown)
+        server.tokenize_pool.shutdown(wait=False)
+
+    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan)
+    app.add_middleware(CatchAllMiddleware)
+    if settings.api_key:  # added last, so it runs first
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is listening; the status is for the access log
+
+    async def _on_error(request: Request, exc: Exception) -> Response:
+        return as_api_error(exc).response()
+
+    for exc_type in (APIError, InvalidParameter, EngineDeadError, QueueTimeout):
+        app.add_exception_handler(exc_type, _on_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive:
+            return Response(status_code=200)
+        return as_api_error(EngineDeadError(str(engine.error or "stopped"))).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version("pagoda")}
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=server.created, root=settings.model_dir,
+                         max_model_len=engine.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in settings.served_model_names])
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        server.check_model(model)
+        return model_card(model)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = await server.in_thread(server.chat_prompt, body.messages, body.add_generation_prompt)
+        else:
+            tokens = await server.in_thread(server.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        server.check_model(body.model)
+        vocab = engine.engine.runner.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        text = await server.in_thread(server.tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        _reject_unsupported(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        try:
+            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+            prompt = await server.in_thread(server.chat_prompt, body.messages)
+            job = render.Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, [prompt],
+                             body.n, body.logprobs)
+            generation = start(request, job, params, body.priority)
+        except InvalidParameter as exc:
+            # The engine names two parameters as completions do; answer with the name the client sent.
+            renamed = {"logprobs": "top_logprobs"}
+            if body.max_completion_tokens is not None:
+                renamed["max_tokens"] = "max_completion_tokens"
+            raise InvalidParameter(renamed.get(exc.param, exc.param), str(exc)) from None
+        if body.stream:
+            chunker = render.ChatChunker(job, server.strings)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return event_stream(generation, chunker, include_usage)
+        outputs = {i: out async for i, out in generation.outputs()}
+        return json_response(render.chat_completion(job, outputs[0], server.strings))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        _reject_unsupported(body)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = await server.in_thread(server.text_prompts, body.prompt)
+        echo_texts = None
+        if body.echo:
+            echo_texts = await server.in_thread(_echo_texts, server.tokenizer, body.prompt, prompts)
+        job = render.Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, prompts, body.n,
+                         body.logprobs is not None, echo_texts)
+        generation = start(request, job, params, body.priority)
+        if body.stream:
+            chunker = render.CompletionChunker(job, server.strings)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return event_stream(generation, chunker, include_usage)
+        outputs = {i: out async for i, out in generation.outputs()}
+        return json_response(render.completion(job, outputs, server.strings))
+
+    def start(request: Request, job: render.Job, params: SamplingParams, priority: int) -> Generation:
+        server.check_prompts(job.prompts, params)
+        server.admit()
+        return Generation(request, engine, job.id, job.prompts, params, priority, server.admission, server.metrics)
+
+    def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:
+        events = sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body())
+        # no-cache and no proxy buffering: each event must reach the client when it is made.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    return app
+
+
+def _echo_texts(tokenizer, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+    """The text each prompt echoes: as given, or decoded from its token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return list(prompt)
+    return [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]

@@ -1,0 +1,242 @@
+"""Turning the engine's RequestOutputs into OpenAI response bodies and stream chunks.
+
+A RequestOutput is cumulative (the whole text and token ids so far), so a stream remembers, per
+choice, how much it has sent and sends the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.tokenizer import Tokenizer
+from server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    TopLogprob,
+    Usage,
+)
+
+
+class TokenStrings:
+    """The text of single token ids, for logprobs; cached, since the same ids come up again and again."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            # A token that is part of a multi-byte character decodes to U+FFFD on its own;
+            # OpenAI would give its raw bytes, which this tokenizer API does not expose.
+            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+@dataclass
+class Job:
+    """What one chat or completions request asked of the engine: one engine request per prompt."""
+
+    id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    n: int
+    logprobs: bool
+    echo_texts: list[str] | None = None  # completions with echo: the prompts' text, in order
+
+    def choice_index(self, prompt_index: int, choice: CompletionOutput) -> int:
+        # OpenAI numbers the choices of a list of prompts prompt by prompt.
+        return prompt_index * self.n + choice.index
+
+
+def usage(outputs: dict[int, RequestOutput]) -> Usage:
+    prompt = sum(len(out.prompt_token_ids) for out in outputs.values())
+    completion = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = strings(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for entry in entries:
+        sampled = top(entry.token_id, entry.logprob)
+        content.append(
+            ChatTokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top])
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, offset: int) -> CompletionLogprobs:
+    """Legacy completions logprobs; `offset` is where the first token's text starts in the choice's text."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for entry in entries:
+        text = strings(entry.token_id)
+        top = {strings(t): lp for t, lp in entry.top}
+        top.setdefault(text, entry.logprob)  # the sampled token is always listed, as OpenAI does
+        result.tokens.append(text)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def chat_completion(job: Job, out: RequestOutput, strings: TokenStrings) -> ChatCompletion:
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatMessageOut(content=c.text),
+            logprobs=chat_logprobs(c.logprobs or [], strings) if job.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    return ChatCompletion(
+        id=job.id, created=job.created, model=job.model, choices=choices, usage=usage({0: out})
+    )
+
+
+def completion(job: Job, outputs: dict[int, RequestOutput], strings: TokenStrings) -> Completion:
+    choices = []
+    for prompt_index, out in sorted(outputs.items()):
+        echo = job.echo_texts[prompt_index] if job.echo_texts else ""
+        for c in out.outputs:
+            choices.append(
+                CompletionChoice(
+                    index=job.choice_index(prompt_index, c),
+                    text=echo + c.text,
+                    logprobs=completion_logprobs(c.logprobs or [], strings, len(echo)) if job.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return Completion(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage(outputs))
+
+
+@dataclass
+class _Sent:
+    """How much of one choice a stream has sent."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    finished: bool = False
+
+
+@dataclass
+class _NewPart:
+    index: int  # the choice's index in the response
+    choice: CompletionOutput
+    sent: _Sent
+    text: str
+    logprobs: list[TokenLogprobs]  # empty unless asked for
+    finish_reason: str | None  # set once, when the choice has just finished
+
+
+@dataclass
+class _Chunker:
+    job: Job
+    strings: TokenStrings
+    sent: dict[int, _Sent] = field(default_factory=dict)
+    last: dict[int, RequestOutput] = field(default_factory=dict)  # per prompt, for usage
+
+    def _new_parts(self, prompt_index: int, out: RequestOutput) -> list[_NewPart]:
+        self.last[prompt_index] = out
+        parts = []
+        for c in out.outputs:
+            index = self.job.choice_index(prompt_index, c)
+            sent = self.sent.setdefault(index, _Sent())
+            if sent.finished:
+                continue
+            part = _NewPart(index, c, sent, c.text[sent.text_len :], (c.logprobs or [])[sent.num_tokens :], None)
+            sent.text_len, sent.num_tokens = len(c.text), len(c.token_ids)
+            if c.finish_reason is not None:
+                sent.finished = True
+                part.finish_reason = c.finish_reason
+            # A token whose text is held back (half a character, maybe a stop string) has nothing
+            # to send, unless its logprobs were asked for.
+            if part.text or part.logprobs or part.finish_reason:
+                parts.append(part)
+        return parts
+
+
+class ChatChunker(_Chunker):
+    def start(self) -> list[ChatCompletionChunk]:
+        """The first chunk of every choice: the assistant role, as OpenAI's streams begin."""
+        return [
+            self._chunk(ChatChunkChoice(index=i, delta=Delta(role="assistant", content="")))
+            for i in range(self.job.n)
+        ]
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        for part in self._new_parts(prompt_index, out):
+            if part.text or part.logprobs:
+                logprobs = chat_logprobs(part.logprobs, self.strings) if self.job.logprobs else None
+                delta = Delta(content=part.text)
+                chunks.append(self._chunk(ChatChunkChoice(index=part.index, delta=delta, logprobs=logprobs)))
+            if part.finish_reason is not None:
+                # OpenAI ends each choice with a chunk of its own: an empty delta and the reason.
+                chunks.append(self._chunk(ChatChunkChoice(
+                    index=part.index, delta=Delta(), finish_reason=part.finish_reason,
+                    stop_reason=part.choice.stop_reason,
+                )))
+        return chunks
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return self._chunk(None, usage(self.last))
+
+    def _chunk(self, choice: ChatChunkChoice | None, usage_: Usage | None = None) -> ChatCompletionChunk:
+        job = self.job
+        return ChatCompletionChunk(
+            id=job.id, created=job.created, model=job.model, choices=[choice] if choice else [], usage=usage_
+        )
+
+
+class CompletionChunker(_Chunker):
+    def start(self) -> list[Completion]:
+        """With echo, each choice's stream begins with its prompt's text."""
+        if not self.job.echo_texts:
+            return []
+        chunks = []
+        for prompt_index, text in enumerate(self.job.echo_texts):
+            for i in range(self.job.n):
+                index = prompt_index * self.job.n + i
+                chunks.append(self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)]))
+        return chunks
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[Completion]:
+        chunks = []
+        for part in self._new_parts(prompt_index, out):
+            logprobs = None
+            if self.job.logprobs:
+                logprobs = completion_logprobs(part.logprobs, self.strings, part.sent.text_offset)
+                part.sent.text_offset += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(
+                index=part.index, text=part.text, logprobs=logprobs, finish_reason=part.finish_reason,
+                stop_reason=part.choice.stop_reason if part.finish_reason else None,
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> Completion:
+        return self._chunk([], usage(self.last))
+
+    def _chunk(self, choices: list[CompletionChoice], usage_: Usage | None = None) -> Completion:
+        job = self.job
+        return Completion(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage_)
