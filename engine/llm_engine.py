@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, SampledToken
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Request, RequestOutput, Sequence
+from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("pagoda.engine")
 
@@ -27,7 +27,10 @@ class StepStats:
     num_batched_tokens: int
     num_prefill_tokens: int  # of num_batched_tokens, those of prompts (incl. recomputation)
     num_generated_tokens: int
-    num_preempted: int
+    num_preempted: int  # both modes
+    num_swapped_out: int  # of num_preempted, those swapped to the CPU pool
+    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache this step
+    prefix_hit_tokens: int  # of those, found (their prefill skipped)
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -189,9 +192,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling round and forward; outputs of every request that changed."""
         expired = self._expire_queued()
+        bm = self.block_manager
+        queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         sched = self.scheduler.schedule()
+        preemption = (
+            len(sched.preempted),
+            sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
+            bm.prefix_queried_tokens - queried,
+            bm.prefix_hit_tokens - hits,
+        )
         if sched.is_empty:
-            self.last_step = StepStats(0, 0, 0, len(sched.preempted), *self._occupancy())
+            self.last_step = StepStats(0, 0, 0, *preemption, *self._occupancy())
             return expired
         scheduled_at = time.monotonic()
         for item in sched.scheduled:
@@ -230,7 +241,7 @@ class LLMEngine:
             if i.num_new_tokens > 1 or i.seq.num_computed_tokens - 1 < i.seq.num_prompt_tokens
         )
         self.last_step = StepStats(
-            sched.num_batched_tokens, prefill_tokens, len(sampling), len(sched.preempted), *self._occupancy()
+            sched.num_batched_tokens, prefill_tokens, len(sampling), *preemption, *self._occupancy()
         )
         return outputs
 

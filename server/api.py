@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
@@ -26,6 +27,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
 from server.metrics import Metrics
+from server.ratelimit import RateLimiter
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -53,8 +55,9 @@ _DEAD_RETRY_AFTER_S = 30  # engine dead: this process will not recover; wait for
 class ServerSettings:
     served_model_names: list[str]
     model_dir: str
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # empty: no auth
     max_waiting_requests: int | None = None  # None: unbounded
+    rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # default: no limits
 
 
 class APIError(Exception):
@@ -119,15 +122,17 @@ class APIKeyMiddleware:
     """Bearer-token check on every path but the probes. A plain ASGI middleware, so it answers before
     the body is even parsed and leaves streaming responses alone."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant-time, so the key cannot be guessed byte by byte from response times.
-            if not hmac.compare_digest(given, self.expected):
+            # Constant-time, and every key compared, so no key can be guessed byte by byte from
+            # response times.
+            matches = [hmac.compare_digest(given, key) for key in self.expected]
+            if not any(matches):
                 error = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send)
@@ -195,6 +200,23 @@ class _Server:
             raise APIError(503, f"the server is at capacity: {self.admission.queued} requests are waiting; "
                                 "retry later", "server_error", code="queue_full",
                            headers={"Retry-After": str(_RETRY_AFTER_S)})
+
+    def charge(self, request: Request, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Rate limits, per client: its API key, or its address when it sends none."""
+        limiter = self.settings.rate_limiter
+        if not limiter.enabled:
+            return
+        client = request.headers.get("authorization") or (request.client.host if request.client else "unknown")
+        max_len = self.engine.max_model_len
+        tokens = sum(
+            len(p) + params.n * (params.max_tokens if params.max_tokens is not None else max_len - len(p))
+            for p in prompts
+        )
+        wait, limit = limiter.acquire(client, tokens)
+        if wait > 0:
+            raise APIError(429, f"rate limit reached for {limit} per minute; retry in {wait:.1f} s",
+                           type=limit, code="rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
     def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for prompt in prompts:
@@ -264,8 +286,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan)
     app.add_middleware(CatchAllMiddleware)
-    if settings.api_key:  # added last, so it runs first
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.api_keys:  # added last, so it runs first
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> Response:
@@ -381,6 +403,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def start(request: Request, job: render.Job, params: SamplingParams, priority: int) -> Generation:
         server.check_prompts(job.prompts, params)
         server.admit()
+        server.charge(request, job.prompts, params)
         return Generation(request, engine, job.id, job.prompts, params, priority, server.admission, server.metrics)
 
     def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:

@@ -55,9 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s, every interface)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     http.add_argument(
-        "--api-key", default=os.environ.get("PAGODA_API_KEY"),
-        help="require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
-        "(default: $PAGODA_API_KEY; unset: no auth)",
+        "--api-key", action="append", metavar="KEY",
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics; repeat the "
+        "flag to accept several keys, each with its own rate limits (default: $PAGODA_API_KEY; unset: no auth)",
+    )
+    http.add_argument(
+        "--rate-limit-requests-per-minute", type=_positive_int, default=None, metavar="N",
+        help="per client (API key, or address without one): at most N requests a minute, as a token "
+        "bucket; over it, 429 with Retry-After (default: no limit)",
+    )
+    http.add_argument(
+        "--rate-limit-tokens-per-minute", type=_positive_int, default=None, metavar="N",
+        help="per client: at most N tokens a minute, counting prompt + max_tokens of each choice; over it, "
+        "429 with Retry-After (default: no limit)",
     )
     http.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -182,16 +192,22 @@ def serve_command(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.default_model import DEFAULT_MODEL_NAME
     from server.api import ServerSettings, build_app
+    from server.ratelimit import RateLimiter
 
     if args.model and args.model_flag and args.model != args.model_flag:
         raise SystemExit("pagoda serve: give the model once (MODEL or --model)")
     args.model = args.model or args.model_flag
     model_dir = _model_dir(args.model) if args.model else None
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    api_keys = args.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
+    args.api_key_required = bool(api_keys)
     try:
         config = _engine_config(args, model_dir)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
-        settings = ServerSettings(names, engine.engine.model_dir, args.api_key, args.max_waiting_requests)
+        settings = ServerSettings(
+            names, engine.engine.model_dir, api_keys, args.max_waiting_requests,
+            RateLimiter(args.rate_limit_requests_per_minute, args.rate_limit_tokens_per_minute),
+        )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
         raise SystemExit(f"pagoda serve: {exc}") from None
@@ -217,7 +233,7 @@ async def _serve(server, name: str, capacity: int, max_model_len: int, args: arg
         host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
         log.info(
             "serving %s at http://%s:%d/v1 (KV cache: %d tokens, max_model_len %d%s)", name, host, args.port,
-            capacity, max_model_len, ", API key required" if args.api_key else "",
+            capacity, max_model_len, ", API key required" if args.api_key_required else "",
         )
     await task
 

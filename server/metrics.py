@@ -62,7 +62,18 @@ class Metrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed or swapped out later).")
+        self._preemptions = Counter(
+            "pagoda:num_preemptions", "Sequences preempted, by mode: recompute (blocks dropped) or swap (to CPU).",
+            ["model_name", "mode"], registry=self.registry,
+        )
+        for mode in ("recompute", "swap"):  # both series exist from the start, at 0
+            self._preemptions.labels(model_name=model_name, mode=mode)
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (full blocks of new requests)."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache: their prefill was skipped."
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens (prompt chunks + decodes) computed per engine step.",
             _token_buckets(max_num_batched_tokens),
@@ -89,7 +100,12 @@ class Metrics:
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.generation_tokens.inc(stats.num_generated_tokens)
-        self.preemptions.inc(stats.num_preempted)
+        self._preemptions.labels(model_name=self._model_name, mode="recompute").inc(
+            stats.num_preempted - stats.num_swapped_out
+        )
+        self._preemptions.labels(model_name=self._model_name, mode="swap").inc(stats.num_swapped_out)
+        self.prefix_cache_queries.inc(stats.prefix_queried_tokens)
+        self.prefix_cache_hits.inc(stats.prefix_hit_tokens)
         if stats.num_batched_tokens:  # zero: an idle report, not an iteration
             self.iteration_tokens.observe(stats.num_batched_tokens)
 

@@ -518,6 +518,7 @@ def test_metrics_parse_and_move_with_requests(server, client):
     for family in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                    "prompt_tokens_total",
                    "generation_tokens_total", "num_preemptions_total", "iteration_tokens_total_count",
+                   "prefix_cache_queries_total", "prefix_cache_hits_total",
                    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                    "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
         assert f"pagoda:{family}" in names, family
