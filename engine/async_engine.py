@@ -64,7 +64,6 @@ class AsyncEngine:
         self._closed = False  # set once by the loop thread as it exits, under _lock
         self._lock = threading.Lock()
         self.error: BaseException | None = None
-        self.num_steps = 0
         # Called on the engine thread after every step (e.g. to update Prometheus metrics).
         self.on_step: Callable[[StepStats], None] | None = None
 
@@ -120,9 +119,6 @@ class AsyncEngine:
             if not stream.finished:
                 self._commands.put(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-
     # ----- the engine thread -----
 
     def _run(self) -> None:
@@ -146,7 +142,6 @@ class AsyncEngine:
                         self.on_step(engine.last_step)
                     continue
                 outputs = engine.step()
-                self.num_steps += 1
                 self._publish(outputs)
                 if self.on_step is not None and engine.last_step is not None:
                     self.on_step(engine.last_step)
