@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.paged_attention import AttentionMetadata
 from engine.sampler import Sampler, SamplerRow
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
 
@@ -110,7 +111,10 @@ class ModelRunner:
         meta = self._metadata(lens, [0] * num_seqs, tables)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[: num_seqs])
-        torch.softmax(logits.float(), dim=-1)
+        # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                frequency_penalty=0.5, logprobs=MAX_LOGPROBS)
+        self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         torch.cuda.synchronize(self.device)
