@@ -69,6 +69,7 @@ class LLMEngine:
             model_dir, type(self.runner.model).__name__, config.dtype, config.device,
             num_blocks, config.block_size, capacity, self.max_model_len,
         )
+        self.runner.capture_cuda_graphs(self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         swap_pool = None
         if config.preemption_mode == "swap":

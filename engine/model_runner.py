@@ -6,13 +6,14 @@ Owns the model, the paged KV cache (sized here from the memory budget) and the s
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
-from engine.paged_attention import AttentionMetadata
+from engine.paged_attention import AttentionMetadata, select_backend
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -42,6 +43,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.attention_backend = select_backend(config.attention_backend, self.device, config.block_size)
+        for attn in self.model.attention_layers():
+            attn.backend = self.attention_backend
+        if self.attention_backend != "torch":
+            # The fused Triton kernels come with the non-reference backends.
+            for module in self.model.modules():
+                if hasattr(module, "use_kernel"):
+                    module.use_kernel = True
+        self.graphs: DecodeGraphs | None = None
 
     # ----- KV cache -----
 
@@ -140,6 +150,9 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=block_tables.to(self.device, non_blocking=True),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
+            query_start_tensor=torch.tensor(query_start, dtype=torch.int32).to(self.device, non_blocking=True),
+            max_query_len=max(num_new),
+            max_seq_len=max(seq_lens),
         )
 
     def allocate_swap_space(self, gib: float) -> int:
@@ -180,6 +193,13 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture the decode graphs, when the device and backend allow them and they are not turned off."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.attention_backend == "torch":
+            return
+        max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
+        self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
+
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]
@@ -189,19 +209,24 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
         num_computed = [s.num_computed_tokens for s in seqs]
-        input_ids = torch.tensor(
-            [t for s, c, n in zip(seqs, num_computed, num_new) for t in s.token_ids[c : c + n]], dtype=torch.long
-        ).to(self.device, non_blocking=True)
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)]).to(
-            self.device, non_blocking=True
-        )
-        meta = self._metadata(num_new, num_computed, [s.block_table for s in seqs])
-        hidden = self.model(input_ids, positions, meta)
-        if not sampling:
-            return []
-        last_token = torch.tensor(meta.query_start[1:], device=self.device) - 1
-        rows = torch.tensor([row for _, row in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last_token[rows]])
+        token_ids = [t for s, c, n in zip(seqs, num_computed, num_new) for t in s.token_ids[c : c + n]]
+        positions = [p for c, n in zip(num_computed, num_new) for p in range(c, c + n)]
+        tables = [s.block_table for s in seqs]
+        if self.graphs is not None and len(token_ids) == len(seqs) and self.graphs.fits(len(seqs)):
+            logits = self.graphs.run(token_ids, positions, tables)
+            if not sampling:
+                return []
+            rows = torch.tensor([row for _, row in sampling], device=self.device)
+            logits = logits[rows]
+        else:
+            input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            meta = self._metadata(num_new, num_computed, tables)
+            hidden = self.model(input_ids, torch.tensor(positions).to(self.device, non_blocking=True), meta)
+            if not sampling:
+                return []
+            last_token = torch.tensor(meta.query_start[1:], device=self.device) - 1
+            rows = torch.tensor([row for _, row in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[last_token[rows]])
         sampler_rows = [
             SamplerRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output_token_ids)
             for seq, _ in sampling
@@ -226,3 +251,106 @@ class ModelRunner:
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
             result.append(SampledToken(token, TokenLogprobs(token, logprobs[i], top)))
         return result
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Captured decode batch sizes: powers of two to 16, then every 16 to 128, then every 32.
+
+    A batch pads up to the next size; decode reads the weights once whatever the batch, so the
+    padded rows cost little, and fewer graphs capture faster and hold less memory."""
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
+    sizes = [b for b in sizes if b < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward (+ lm_head) for bucketed batch sizes.
+
+    All graphs read the same static input buffers and share one memory pool. A replay costs one
+    launch instead of one per kernel, which is what decode steps of small models are bound by.
+    Padded rows store nothing (slot -1) and attend to one key of block 0; their logits are ignored.
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, max_blocks: int, max_model_len: int):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        device = runner.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # One pinned host staging buffer: ids, positions, slots and seq lens go up in one copy.
+        self.host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
+        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.max_model_len = max_model_len
+        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
+        for batch in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
+            self._capture(batch, pool)
+        torch.cuda.synchronize(device)
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.2f GiB",
+                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
+                 (torch.cuda.memory_reserved(device) - reserved) / 2**30)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            query_start=list(range(batch + 1)),
+            seq_lens=[1] * batch,  # host copy unused by the graph backends
+            block_tables=self.block_tables[:batch],
+            seq_lens_tensor=self.seq_lens[:batch],
+            query_start_tensor=self.query_start[: batch + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, pool) -> None:
+        model = self.runner.model
+        meta = self._meta(batch)
+
+        def forward() -> torch.Tensor:
+            hidden = model(self.input_ids[:batch], self.positions[:batch], meta)
+            return model.compute_logits(hidden)
+
+        forward()  # compile / autotune outside the capture
+        torch.cuda.synchronize(self.runner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits[batch] = forward()
+        self.graphs[batch] = graph
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits."""
+        n = len(token_ids)
+        batch = next(b for b in self.sizes if b >= n)
+        bs = self.runner.block_size
+        host = self.host
+        host[0, :n] = torch.tensor(token_ids)
+        pos = torch.tensor(positions)
+        host[1, :n] = pos
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        host[2, :n] = table[torch.arange(n), pos // bs].long() * bs + pos % bs
+        host[3, :n] = pos + 1
+        # Padded rows: no KV store, one key to attend to.
+        host[2, n:batch] = -1
+        host[3, n:batch] = 1
+        self.host_tables[:n, :width] = table
+        # Reusing the pinned buffers is safe: the previous step's copies finished before its
+        # sampled tokens came back to the host.
+        self.input_ids[:batch].copy_(host[0, :batch], non_blocking=True)
+        self.positions[:batch].copy_(host[1, :batch], non_blocking=True)
+        self.slot_mapping[:batch].copy_(host[2, :batch], non_blocking=True)
+        self.seq_lens[:batch].copy_(host[3, :batch], non_blocking=True)
+        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.graphs[batch].replay()
+        return self.logits[batch][:n]

@@ -3,30 +3,76 @@
 KV cache layout, per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim].
 A token's slot is block_id * block_size + offset, so `cache.view(-1, kv_heads, head_dim)[slot]`
 is that token's row (see ARCHITECTURE.md for why this layout).
+
+Backends, one call for all:
+- torch: plain PyTorch (any device); the reference the others are tested against.
+- triton: the kernels of engine/kernels (tiled, online softmax, read through block tables).
+- flash_attn: `flash_attn_varlen_func` with `block_table`, from the `flash-attn` package or from
+  the build vLLM ships (`vllm.vllm_flash_attn`, FlashAttention-3 on Hopper).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+BACKENDS = ("torch", "triton", "flash_attn")
+
 
 @dataclass
 class AttentionMetadata:
     """Where a flat batch of tokens sits in the paged cache; built once per step by the runner."""
 
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: padding, not stored)
     query_start: list[int]  # [S + 1]: sequence s owns new tokens query_start[s]:query_start[s+1]
     seq_lens: list[int]  # [S]: tokens in the cache for s after this step (context + new)
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
     seq_lens_tensor: torch.Tensor  # [S] int32, on device
+    query_start_tensor: torch.Tensor  # [S + 1] int32, on device
+    max_query_len: int
+    max_seq_len: int
 
     @property
     def decode_only(self) -> bool:
-        return len(self.query_start) - 1 == self.query_start[-1]
+        return self.max_query_len == 1
+
+
+@functools.cache
+def flash_attn_module():
+    """(flash_attn_varlen_func, is_vllm_build) or None when no FlashAttention build imports."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func, True
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func, False
+    except ImportError:
+        return None
+
+
+def select_backend(name: str, device: torch.device, block_size: int) -> str:
+    """Resolve `auto` and check that the requested backend can run here."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    if name == "flash_attn":
+        found = flash_attn_module()
+        if found is None or device.type != "cuda":
+            raise ValueError("attention_backend flash_attn needs CUDA and the flash-attn package")
+        # Upstream FlashAttention-2 pages the cache only in multiples of 256 tokens; vLLM's build does any.
+        if not found[1] and block_size % 256:
+            raise ValueError(f"the flash-attn package needs block_size a multiple of 256, got {block_size}")
+    return name
 
 
 class Attention(nn.Module):
@@ -40,13 +86,39 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.backend = "torch"  # set by the runner (select_backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.backend == "torch":
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if meta.decode_only:
+                return self._decode(q, meta)
+            return self._prefill(q, meta)
+        from engine.kernels import kv_store
+
+        kv_store.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.backend == "flash_attn":
+            return self._flash_attn(q, meta)
+        from engine.kernels import attention
+
         if meta.decode_only:
-            return self._decode(q, meta)
-        return self._prefill(q, meta)
+            return attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor,
+                                          self.scale)
+        return attention.paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
+                                       meta.seq_lens_tensor, self.scale, meta.max_query_len)
+
+    def _flash_attn(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        varlen, vllm_build = flash_attn_module()
+        kwargs = dict(
+            cu_seqlens_q=meta.query_start_tensor, max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
+            softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
+        )
+        if vllm_build:
+            # vLLM's build takes the key lengths directly; upstream wants them cumulative.
+            return varlen(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor, **kwargs)
+        cu_k = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
+        return varlen(q, self.k_cache, self.v_cache, cu_seqlens_k=cu_k, **kwargs)
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """[S, nb] block ids -> [S, KVH, nb * block_size, D] keys or values."""
@@ -88,7 +160,7 @@ class Attention(nn.Module):
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write each new token's K/V row into its cache slot."""
+    """Write each new token's K/V row into its cache slot (the torch backend's; no padding slots)."""
     kvh, d = k.shape[1], k.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)

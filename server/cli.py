@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap (default: %(default)s)",
     )
     eng.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
+        help="attention kernels: triton (pagoda's own, the default on CUDA), flash_attn (the flash-attn package "
+        "or vLLM's build of it, when installed), torch (plain PyTorch, the default on the CPU) (default: %(default)s)",
+    )
+    eng.add_argument(
+        "--enforce-eager", action="store_true",
+        help="never replay CUDA graphs for decode batches (slower; for debugging)",
+    )
+    eng.add_argument(
         "--queue-timeout", type=float, default=None,
         help="seconds a request may wait to be scheduled; beyond it, it is answered 503 (default: no limit)",
     )
@@ -147,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fix the number of KV-cache blocks instead of sizing the pool from memory (on the CPU: 2 GiB)",
     )
     serve.set_defaults(run=serve_command)
+    _add_bench_parser(commands)
     return parser
 
 
@@ -183,6 +193,8 @@ def _engine_config(args: argparse.Namespace, model_dir: str | None):
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -236,6 +248,28 @@ async def _serve(server, name: str, capacity: int, max_model_len: int, args: arg
             capacity, max_model_len, ", API key required" if args.api_key_required else "",
         )
     await task
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    # The benchmark modules parse their own flags (and import their plotting libraries) only when run.
+    if args.benchmark == "throughput":
+        from bench import throughput as module
+    else:
+        from bench import latency as module
+    return module.main(args.bench_args)
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="benchmarks: offline throughput sweep, online latency under load",
+        description="pagoda bench throughput ...: offline sweep of pagoda (and transformers, vLLM) over batch size x "
+        "input x output length, CSV + PNG. pagoda bench serve ...: drive any OpenAI-compatible server with "
+        "concurrent streams or Poisson arrivals and report TTFT, TPOT, ITL and E2E as vllm bench serve does. "
+        "Each takes --help.",
+    )
+    bench.add_argument("benchmark", choices=["throughput", "serve"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    bench.set_defaults(run=bench_command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
 
 
+BACKENDS = {  # engine kwargs of each CUDA configuration
+    "torch": {"attention_backend": "torch"},
+    "triton-eager": {"attention_backend": "triton", "enforce_eager": True},
+    "triton-graphs": {"attention_backend": "triton"},
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_architectures_match_transformers_on_cuda(arch, tiny_model_dir):
+def test_tiny_architectures_match_transformers_on_cuda(arch, backend, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -34,11 +42,12 @@ def test_tiny_architectures_match_transformers_on_cuda(arch, tiny_model_dir):
         expected.append(out[0, len(ids):].tolist())
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for mode, (kwargs, alone) in MODES.items():
-        kwargs = {"num_gpu_blocks_override": 256, **kwargs}  # a small pool: several engines share the GPU
+        kwargs = {"num_gpu_blocks_override": 256, **BACKENDS[backend], **kwargs}  # small pool: engines share the GPU
         llm = LLM(str(model_dir), dtype="float32", device="cuda", **kwargs)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts] if alone else \
             llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda: mode {mode!r} diverges"
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda ({backend}): {mode!r} diverges"
+        assert (llm.engine.runner.graphs is not None) == (backend == "triton-graphs")
 
 
 def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():

@@ -1,0 +1,335 @@
+"""Build, check and time pagoda's CUDA path in one device call; one JSON line per measurement.
+
+    python bench/gpu_check.py peaks                      # measured HBM copy rate and bf16 matmul rate
+    python bench/gpu_check.py kernels                    # own Triton paged decode/prefill vs FlashAttention, vs bounds
+    python bench/gpu_check.py greedy                     # Triton backend == torch backend, Llama-3-8B shape, 256 tokens
+    python bench/gpu_check.py workload w1 --backend triton [--eager]   # W1 / W2 output tok/s
+    python bench/gpu_check.py transformers               # W1 with transformers generate (the baseline)
+    python bench/gpu_check.py roofline                   # decode step at batch 1/16/64 (ctx 1k), prefill 8k tokens
+
+Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
+(prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set).
+The FlashAttention peer is the build vLLM ships (vllm.vllm_flash_attn, FA3 on Hopper) or the
+flash-attn package, whichever imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.throughput import random_prompts, ranged_workload  # noqa: E402  (needs ROOT on the path)
+
+LLAMA_8B = str(ROOT / "bench/configs/llama3-8b")
+QWEN3_06B = str(ROOT / "bench/configs/qwen3-0.6b")
+HBM_SPEC = 3.35e12  # H100 SXM HBM3, bytes/s (datasheet)
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def emit(args, row: dict) -> None:
+    row.update(device_name=torch.cuda.get_device_name(), commit=_commit(), torch=torch.__version__,
+               date=datetime.datetime.now().isoformat(timespec="seconds"), command="python " + " ".join(sys.argv))
+    line = json.dumps(row)
+    print("RESULT", line, flush=True)
+    with open(args.out, "a") as f:
+        f.write(line + "\n")
+
+
+def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_peaks() -> tuple[float, float]:
+    """(bytes/s of a device-to-device copy counting read + write, bf16 matmul FLOP/s at 8192^3)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = cuda_time(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = cuda_time(lambda: a @ b, iters=10)
+    return 2 * 2**30 / copy_s, 2 * 8192**3 / mm_s
+
+
+def mode_peaks(args) -> None:
+    hbm, mm = measure_peaks()
+    emit(args, {"mode": "peaks", "copy_bytes_per_s": hbm, "matmul_flops": mm})
+
+
+# ----- kernels -----
+
+
+def _paged_cache(num_seqs: int, ctx: int, kvh: int, d: int, block_size: int, gen: torch.Generator):
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    return k_cache, v_cache, perm.view(num_seqs, blocks_per_seq)
+
+
+def _flash_peer():
+    from engine.paged_attention import flash_attn_module
+
+    found = flash_attn_module()
+    if found is None:
+        return None, None
+    varlen, vllm_build = found
+    if vllm_build:
+        from vllm.vllm_flash_attn import __version__ as version
+
+        return (lambda **kw: varlen(fa_version=3, **kw)), f"vllm_flash_attn {version} (FA3)"
+    import flash_attn
+
+    return varlen, f"flash_attn {flash_attn.__version__}"
+
+
+def mode_kernels(args) -> None:
+    from engine.kernels.attention import paged_decode, paged_prefill
+
+    hbm, mm = measure_peaks()
+    peer, peer_name = _flash_peer()
+    h, kvh, d, bs = 32, 8, 128, 16  # Llama-3-8B attention: GQA 4:1, head dim 128
+    scale = d**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch in (1, 16, 64, 256):
+        for ctx in (512, 2048, 8192, 32768):
+            if batch * ctx > 2**22:  # 4M cached tokens per layer (17 GB) is enough for the trend
+                continue
+            k_cache, v_cache, tables = _paged_cache(batch, ctx, kvh, d, bs, gen)
+            q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            ours = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
+            own_s = cuda_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale))
+            row = {"mode": "kernel", "kernel": "decode", "batch": batch, "context": ctx, "heads": h, "kv_heads": kvh,
+                   "head_dim": d, "block_size": bs, "own_us": own_s * 1e6}
+            kv_bytes = 2 * batch * ctx * kvh * d * 2
+            row["bound_us"] = kv_bytes / hbm * 1e6
+            row["own_hbm_fraction"] = kv_bytes / own_s / hbm
+            if peer is not None:
+                cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
+                          max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
+                theirs = peer(**kw)
+                peer_s = cuda_time(lambda: peer(**kw))
+                row.update(peer=peer_name, peer_us=peer_s * 1e6, own_over_peer=own_s / peer_s,
+                           rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
+            emit(args, row)
+    for ctx in (512, 2048, 8192, 32768):
+        num_seqs = max(1, 16384 // ctx)  # about 16k new tokens per call, whole prompts (pure prefill)
+        k_cache, v_cache, tables = _paged_cache(num_seqs, ctx, kvh, d, bs, gen)
+        q = torch.randn(num_seqs * ctx, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(0, num_seqs * ctx + 1, ctx, dtype=torch.int32, device="cuda")
+        ours = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx)
+        own_s = cuda_time(lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx), iters=10)
+        flops = 4 * num_seqs * h * d * ctx * (ctx + 1) / 2  # causal: QK^T and PV over the lower triangle
+        row = {"mode": "kernel", "kernel": "prefill", "num_seqs": num_seqs, "context": ctx, "heads": h,
+               "kv_heads": kvh, "head_dim": d, "block_size": bs, "own_us": own_s * 1e6,
+               "own_tflops": flops / own_s / 1e12, "own_matmul_fraction": flops / own_s / mm}
+        if peer is not None:
+            kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=ctx, seqused_k=seq_lens,
+                      max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
+            theirs = peer(**kw)
+            peer_s = cuda_time(lambda: peer(**kw), iters=10)
+            row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_tflops=flops / peer_s / 1e12,
+                       own_over_peer=own_s / peer_s,
+                       rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
+        emit(args, row)
+
+
+# ----- engine-level checks -----
+
+
+def _fixed_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    return random_prompts(num, length, 128256, seed)
+
+
+def w1_prompts() -> list[list[int]]:
+    """The vLLM peer's W1 prompts: numpy's legacy generator, seed 0, ids in [100, 20000)."""
+    return np.random.RandomState(0).randint(100, 20000, size=(64, 512)).tolist()
+
+
+def _llm(model: str, backend: str, eager: bool, **kw):
+    from engine import LLM
+
+    return LLM(model, dtype="bfloat16", load_format="dummy", attention_backend=backend, enforce_eager=eager, **kw)
+
+
+def mode_greedy(args) -> None:
+    """Greedy tokens of the Triton backend vs the torch backend, same dummy weights (same seed)."""
+    from engine import SamplingParams
+
+    prompts = _fixed_prompts(4, 64, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, logprobs=2)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = _llm(LLAMA_8B, backend, eager=False, num_gpu_blocks_override=256, max_model_len=1024)
+        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        torch.cuda.empty_cache()
+    for i, (ref, got) in enumerate(zip(runs["torch"], runs["triton"])):
+        ref_ids, got_ids = ref.outputs[0].token_ids, got.outputs[0].token_ids
+        first = next((j for j, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b), None)
+        row = {"mode": "greedy", "prompt": i, "tokens": len(ref_ids), "equal": first is None, "first_divergence": first}
+        if first is not None:
+            top = ref.outputs[0].logprobs[first].top
+            # The torch backend's own top-2 margin at the divergence: a tie within bf16 rounding
+            # (logits near 10-20 round in steps of 0.06-0.125) explains a flip.
+            row["ref_top2"] = top[:2]
+            row["ref_top2_margin"] = top[0][1] - top[1][1] if len(top) > 1 else None
+            row["got_token"] = got_ids[first]
+        emit(args, row)
+
+
+def mode_workload(args) -> None:
+    from engine import SamplingParams
+
+    if args.name == "w1":
+        model, prompts, outs = LLAMA_8B, w1_prompts(), [256] * 64
+    else:
+        model = QWEN3_06B
+        prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
+    t0 = time.perf_counter()
+    llm = _llm(model, args.backend, args.eager)
+    load_s = time.perf_counter() - t0
+    warm = [p[:32] for p in prompts[:8]]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
+                "cuda_graphs": not args.eager, "elapsed_s": elapsed, "output_tokens": tokens,
+                "output_tok_s": tokens / elapsed, "load_s": load_s})
+
+
+def mode_transformers(args) -> None:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(LLAMA_8B), dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(w1_prompts(), device="cuda")
+
+    def generate(n: int):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
+
+    generate(4)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = generate(256)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    emit(args, {"mode": "workload", "workload": "w1", "engine": "transformers", "version": transformers.__version__,
+                "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed})
+
+
+def _step_times(llm, prompts: list[list[int]], max_tokens: int, timed_steps: int) -> list[float]:
+    """Admit the prompts, run until every one has its first token, then time `timed_steps` decode steps."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+    started = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in engine.step()}
+    times = []
+    for _ in range(timed_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+def mode_roofline(args) -> None:
+    hbm, mm = measure_peaks()
+    llm = _llm(LLAMA_8B, args.backend, args.eager)
+    model = llm.engine.runner.model
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    for batch in (1, 16, 64):
+        times = _step_times(llm, _fixed_prompts(batch, 1024, seed=batch), max_tokens=40, timed_steps=32)
+        step_s = statistics.median(times)
+        moved = weight_bytes + batch * 1040 * kv_bytes_per_token  # weights + the cached context read once
+        emit(args, {"mode": "roofline", "phase": "decode", "batch": batch, "context": 1024, "backend": args.backend,
+                    "cuda_graphs": not args.eager, "step_ms": step_s * 1e3, "bytes_moved": moved,
+                    "hbm_fraction_measured": moved / step_s / hbm, "hbm_fraction_spec": moved / step_s / HBM_SPEC})
+    # Prefill: 8 prompts of 1024 tokens scheduled in one 8192-token step.
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")) + \
+        cfg.vocab_size * cfg.hidden_size / 1024  # lm_head runs for the 8 sampled rows only
+    for _ in range(2):  # the first compiles the prefill kernels for this shape
+        from engine import SamplingParams
+
+        prompts = _fixed_prompts(8, 1024, seed=int(time.monotonic_ns() % 1000))
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"p{time.monotonic_ns()}-{i}", p, SamplingParams(temperature=0.0, max_tokens=1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.engine.step()
+        step_s = time.perf_counter() - t0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 8 * 1024 * 1025 / 2
+    flops = 2 * matmul_params * 8192 + attn_flops
+    emit(args, {"mode": "roofline", "phase": "prefill", "tokens": 8192, "backend": args.backend,
+                "cuda_graphs": not args.eager, "step_ms": step_s * 1e3, "flops": flops,
+                "tflops": flops / step_s / 1e12, "matmul_fraction": flops / step_s / mm})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["peaks", "kernels", "greedy", "workload", "transformers", "roofline"])
+    parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
+    parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.out is None:
+        args.out = os.path.join(os.environ["OUT"], "gpu_check.jsonl") if os.environ.get("OUT") else \
+            str(ROOT / "bench/results/gpu_check-h100.jsonl")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    {"peaks": mode_peaks, "kernels": mode_kernels, "greedy": mode_greedy, "workload": mode_workload,
+     "transformers": mode_transformers, "roofline": mode_roofline}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
+#   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-eager w2-eager w1-torch w2-torch transformers roofline
+# Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda.log.
+set -u
+export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-bench/results}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
+             tests/test_cuda.py tests/test_greedy_equality.py -k "cuda or kernel or triton" 2>&1 | tee $OUT/pytest-cuda.log | tail -5 ;;
+    w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
+    w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
+    w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
+    w1-flash|w2-flash) python3 bench/gpu_check.py workload ${step%-flash} --backend flash_attn ;;
+    *) python3 bench/gpu_check.py $step ;;
+  esac
+done

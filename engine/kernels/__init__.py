@@ -1,0 +1,1 @@
+"""Triton GPU kernels of the engine."""

@@ -1,0 +1,239 @@
+"""The Triton paged-attention kernels against a plain float32 reference.
+
+Without a GPU they run under the Triton interpreter at tiny shapes (fp32 and fp16: the
+interpreter mishandles bf16); the large shapes, bf16 and CUDA-graph capture run only on CUDA.
+"""
+
+import os
+
+import torch
+
+# The interpreter is chosen when a kernel is decorated, so this must precede the kernel import;
+# on a CUDA machine the kernels compile for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from engine.kernels.attention import decode_num_splits, paged_decode, paged_prefill
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes, bf16 and CUDA graphs need a GPU")
+
+
+def make_batch(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, spare_blocks=3):
+    """Random q, a random cache and shuffled block tables for sequences of ctx + q tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    # Physical blocks in random order, so a sequence's blocks are neither contiguous nor sorted.
+    physical = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(1, max(blocks_per_seq)), dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        table[s, :nb] = physical[used : used + nb]
+        used += nb
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(DEVICE, dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": table.to(DEVICE),
+        "query_start": torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        "scale": head_dim**-0.5,
+    }
+
+
+def reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, chunk=256):
+    """Causal attention per sequence in float32, keys gathered slot by slot through the table."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for s, n in enumerate(lens):
+        begin, end = starts[s], starts[s + 1]
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[s, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        v = v_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        # Query chunks bound the score matrix at long contexts.
+        for c in range(begin, end, chunk):
+            qs = q[c : min(c + chunk, end)].float()
+            q_pos = n - (end - begin) + (c - begin) + torch.arange(qs.shape[0], device=q.device)
+            scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+            scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            out[c : c + qs.shape[0]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def poisoned_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+def assert_close(out, ref, dtype):
+    assert not out.isnan().any(), "unwritten or NaN output"
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
+
+
+def run_prefill(batch, max_query_len):
+    out = poisoned_like(batch["q"])
+    result = paged_prefill(**batch, max_query_len=max_query_len, out=out)
+    assert result is out
+    return out
+
+
+def run_decode(batch, num_splits):
+    args = {k: v for k, v in batch.items() if k != "query_start"}
+    out = paged_decode(**args, out=poisoned_like(batch["q"]), num_splits=num_splits)
+    return out
+
+
+# A mixed batch: pure prefill from 0, a decode-like row, a chunk after cached context, and a
+# long chunk after a short context (several query tiles).
+MIXED_CTX = [0, 37, 70, 5]
+MIXED_Q = [20, 1, 13, 30]
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,block_size",
+    [
+        (torch.float32, 4, 4, 64, 16),
+        (torch.float16, 8, 2, 64, 8),
+        (torch.float32, 8, 1, 64, 32),
+        (torch.float16, 4, 1, 128, 16),
+        (torch.float32, 2, 2, 96, 8),
+        (torch.float32, 6, 2, 64, 16),
+    ],
+)
+def test_prefill_mixed_batch(dtype, heads, kv_heads, head_dim, block_size):
+    batch = make_batch(MIXED_CTX, MIXED_Q, heads, kv_heads, head_dim, block_size, dtype)
+    out = run_prefill(batch, max(MIXED_Q))
+    assert_close(out, reference(**batch), dtype)
+
+
+def test_prefill_block_larger_than_key_tile():
+    # 128-token blocks against 64-key tiles; the context crosses a block boundary.
+    batch = make_batch([150, 0], [10, 3], 4, 2, 64, 128, torch.float32, seed=1)
+    assert_close(run_prefill(batch, 10), reference(**batch), torch.float32)
+
+
+def test_prefill_long_prompt_many_tiles():
+    # G = 8 leaves 8 queries per tile: 64 queries span 8 tiles and the causal diagonal.
+    batch = make_batch([0], [64], 8, 1, 64, 16, torch.float16, seed=2)
+    assert_close(run_prefill(batch, 64), reference(**batch), torch.float16)
+
+
+def test_prefill_strided_q():
+    # q as a slice of a fused qkv projection: token stride larger than H * D.
+    batch = make_batch(MIXED_CTX, MIXED_Q, 4, 2, 64, 16, torch.float32, seed=3)
+    fused = torch.cat([batch["q"], torch.randn_like(batch["q"])], dim=1)
+    batch["q"] = fused[:, :4]
+    assert not batch["q"].is_contiguous()
+    assert_close(run_prefill(batch, max(MIXED_Q)), reference(**batch), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8, None])
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,block_size",
+    [
+        (torch.float32, 8, 2, 64, 16),
+        (torch.float16, 8, 1, 128, 8),
+        (torch.float32, 4, 4, 64, 32),
+    ],
+)
+def test_decode(num_splits, dtype, heads, kv_heads, head_dim, block_size):
+    # Lengths 1 and 9 leave most splits empty (8 splits x 64-key tiles); 200 spans several tiles.
+    ctx = [0, 8, 200, 63]
+    batch = make_batch(ctx, [1] * len(ctx), heads, kv_heads, head_dim, block_size, dtype, seed=4)
+    assert_close(run_decode(batch, num_splits), reference(**batch), dtype)
+
+
+def test_decode_head_dim_96():
+    batch = make_batch([40, 130], [1, 1], 4, 1, 96, 16, torch.float32, seed=5)
+    assert_close(run_decode(batch, 2), reference(**batch), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_zero_length_sequence_gives_zeros(num_splits):
+    # Batch padding (e.g. for a captured CUDA graph) may carry sequences with no keys.
+    batch = make_batch([30, 0], [1, 1], 4, 2, 64, 16, torch.float32, seed=6)
+    batch["seq_lens"][1] = 0
+    out = run_decode(batch, num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = reference(**{**batch, "seq_lens": batch["seq_lens"][:1], "query_start": batch["query_start"][:2]})
+    assert_close(out[:1], ref[:1], torch.float32)
+
+
+def test_decode_num_splits():
+    assert decode_num_splits(1, 8) == 16
+    assert decode_num_splits(4, 8) == 9
+    assert decode_num_splits(64, 8) == 1
+    assert decode_num_splits(256, 2) == 1
+    assert all(1 <= decode_num_splits(s, h) <= 16 for s in range(1, 300, 7) for h in (1, 2, 4, 8))
+
+
+def test_unsupported_head_dim_is_refused():
+    batch = make_batch([0], [4], 2, 2, 8, 16, torch.float32)
+    with pytest.raises(AssertionError, match="head_dim"):
+        paged_prefill(**batch, max_query_len=4)
+
+
+# ---- GPU only: realistic sizes, bf16, CUDA graphs ----
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 8, 64), (14, 2, 64), (32, 32, 128)])
+def test_prefill_large(dtype, heads, kv_heads, head_dim):
+    ctx = [0, 32000, 3000, 100, 0, 777]
+    q_lens = [2048, 300, 1, 1000, 1, 129]
+    batch = make_batch(ctx, q_lens, heads, kv_heads, head_dim, 16, dtype, seed=7)
+    assert_close(run_prefill(batch, max(q_lens)), reference(**batch), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_size", [1, 8, 32, 256])
+def test_prefill_block_sizes_large(block_size):
+    batch = make_batch([0, 5000, 40], [700, 90, 1], 16, 4, 128, block_size, torch.bfloat16, seed=8)
+    assert_close(run_prefill(batch, 700), reference(**batch), torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 5, None])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64), (28, 4, 128)])
+def test_decode_large(dtype, num_splits, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(9)
+    ctx = torch.randint(0, 4000, (256,), generator=gen)
+    ctx[:3] = torch.tensor([32000, 0, 1])
+    batch = make_batch(ctx.tolist(), [1] * 256, heads, kv_heads, head_dim, 16, dtype, seed=9)
+    assert_close(run_decode(batch, num_splits), reference(**batch), dtype)
+
+
+@needs_cuda
+def test_decode_cuda_graph_replay_follows_new_lengths():
+    batch = make_batch([500, 3000, 10, 0], [1] * 4, 32, 8, 128, 16, torch.bfloat16, seed=10)
+    args = {k: v for k, v in batch.items() if k != "query_start"}
+    out = torch.empty_like(batch["q"])
+    paged_decode(**args, out=out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(**args, out=out)
+    for lens in ([501, 3001, 11, 1], [1, 2, 3000, 17]):
+        batch["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(**batch), torch.bfloat16)

@@ -1,0 +1,331 @@
+"""The small Triton kernels (RMSNorm, rotary, KV store, SwiGLU) against their torch references.
+
+Without a GPU they run under the Triton interpreter, in float32 and float16 only
+(the interpreter of triton 3.9 gets bfloat16 wrong); bf16 and larger shapes run on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must be set before triton is imported (the kernels read it when they are defined).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from engine.kernels.activation import silu_and_mul
+from engine.kernels.kv_store import store_kv
+from engine.kernels.norm import rms_norm
+from engine.kernels.rotary import apply_rotary
+from engine.layers import activation as ref_activation
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.paged_attention import store_kv as ref_store_kv
+
+DEV = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 and large shapes)")
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=DEV)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any()
+    atol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
+
+
+def _mostly_equal(out: torch.Tensor, ref: torch.Tensor, frac: float = 0.99) -> None:
+    """Half-precision outputs round like the reference's; only a rare element may be one ulp off
+    (the float32 reduction order differs from torch's). Float32 outputs are only close."""
+    if out.dtype == torch.float32:
+        return
+    same = (out == ref).float().mean().item()
+    assert same >= frac, f"only {same:.4f} of elements bit-equal"
+
+
+def _fused_qkv(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int):
+    """q, k, v as strided views of one fused projection output, as engine/models/llama.py makes them."""
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, seed=seed, scale=2.0)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return qkv, q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, d)
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def _ref_norm(hidden: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.5 * torch.randn(hidden, generator=_gen(seed)))
+    return norm.to(device=DEV, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t,hidden", [(1, 64), (7, 576), (5, 1024), (3, 100)])
+def test_rms_norm(dtype, t, hidden):
+    ref = _ref_norm(hidden, dtype, seed=hidden)
+    x = _randn(t, hidden, dtype=dtype, seed=1, scale=3.0)
+    x_before = x.clone()
+    with torch.no_grad():
+        expected = ref(x)
+    out = rms_norm(x, ref.weight.data, ref.eps)  # fresh output
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert torch.equal(x, x_before)
+    _close(out, expected, dtype)
+    _mostly_equal(out, expected)
+    poisoned = torch.full_like(x, float("nan"))
+    assert rms_norm(x, ref.weight.data, ref.eps, out=poisoned) is poisoned
+    assert torch.equal(poisoned, out)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t,hidden", [(1, 64), (9, 576), (3, 1024)])
+def test_rms_norm_residual_in_place(dtype, t, hidden):
+    ref = _ref_norm(hidden, dtype, seed=hidden)
+    x = _randn(t, hidden, dtype=dtype, seed=2, scale=3.0)
+    residual = _randn(t, hidden, dtype=dtype, seed=3, scale=3.0)
+    with torch.no_grad():
+        expected, expected_sum = ref(x, residual)
+    out_buf = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+    out, new_residual = rms_norm(x, ref.weight.data, ref.eps, residual=residual, out=out_buf)
+    assert out is out_buf and new_residual is residual
+    assert torch.equal(residual, expected_sum)  # the sum is rounded exactly like the reference's
+    _close(out, expected, dtype)
+    _mostly_equal(out, expected)
+    # Output written over x itself: each row is read before it is written.
+    x2 = _randn(t, hidden, dtype=dtype, seed=2, scale=3.0)
+    res2 = _randn(t, hidden, dtype=dtype, seed=3, scale=3.0)
+    out2, _ = rms_norm(x2, ref.weight.data, ref.eps, residual=res2, out=x2)
+    assert out2 is x2 and torch.equal(out2, out) and torch.equal(res2, expected_sum)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (3, 3, 128)])
+def test_rms_norm_strided_heads(dtype, hq, hk, d):
+    """q/k norm (Qwen3) on [T, H, D] views of the fused qkv output, no copy."""
+    ref = _ref_norm(d, dtype, seed=d)
+    _, q, k, _ = _fused_qkv(5, hq, hk, d, dtype, seed=4)
+    for x in (q, k):
+        with torch.no_grad():
+            expected = ref(x)
+        out = rms_norm(x, ref.weight.data, ref.eps, out=torch.full(x.shape, float("nan"), dtype=dtype, device=DEV))
+        _close(out, expected, dtype)
+        _mostly_equal(out, expected)
+
+
+# ---------------------------------------------------------------- rotary
+
+ROPES = {
+    "default": {"rope_theta": 10000.0, "rope_type": "default"},
+    "llama3": {
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d,rope", [(7, 4, 2, 64, "default"), (5, 8, 1, 128, "llama3"), (1, 2, 2, 64, "llama3")])
+def test_rotary_in_place_on_fused_views(dtype, t, hq, hk, d, rope):
+    max_pos = 512
+    rotary = RotaryEmbedding(d, max_pos, ROPES[rope]).to(DEV)
+    positions = torch.randint(0, max_pos, (t,), generator=_gen(5)).to(DEV)
+    _, q, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=6)
+    v_before = v.clone()
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    out_q, out_k = apply_rotary(positions, q, k, rotary.cos, rotary.sin)
+    assert out_q is q and out_k is k
+    assert torch.equal(v, v_before)  # v shares the buffer and must be untouched
+    # Each rounding of the reference is reproduced; float32 may differ by fma contraction.
+    if dtype == torch.float32:
+        _close(q, expected_q, dtype)
+        _close(k, expected_k, dtype)
+    else:
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+# ---------------------------------------------------------------- KV store
+
+
+def _caches(num_blocks: int, block_size: int, kvh: int, d: int, dtype: torch.dtype):
+    shape = (num_blocks, block_size, kvh, d)
+    return _randn(*shape, dtype=dtype, seed=7), _randn(*shape, dtype=dtype, seed=8)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t,hq,hk,d", [(7, 4, 2, 64), (13, 2, 1, 128)])
+def test_store_kv_permuted_slots(dtype, t, hq, hk, d):
+    num_blocks, block_size = 4, 16
+    kc, vc = _caches(num_blocks, block_size, hk, d, dtype)
+    _, _, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=9)
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(10))[:t].to(DEV)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref_store_kv(k, v, ref_kc, ref_vc, slots)
+    store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_store_kv_negative_slots_are_skipped(dtype):
+    t, hk, d, block_size = 9, 2, 64, 16
+    kc, vc = _caches(3, block_size, hk, d, dtype)
+    _, _, k, v = _fused_qkv(t, 4, hk, d, dtype, seed=11)
+    slots = torch.tensor([5, -1, 40, -1, 17, 0, -1, 47, -1], device=DEV)
+    valid = slots >= 0
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref_store_kv(k[valid], v[valid], ref_kc, ref_vc, slots[valid])
+    store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    # All padding: nothing changes at all.
+    before_k, before_v = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, torch.full((t,), -1, device=DEV))
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t,inter", [(1, 64), (7, 576), (3, 1376)])
+def test_silu_and_mul(dtype, t, inter):
+    x = _randn(t, 2 * inter, dtype=dtype, seed=12, scale=4.0)
+    expected = ref_activation.silu_and_mul(x)
+    out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEV)
+    assert silu_and_mul(x, out=out) is out
+    _close(out, expected, dtype)
+    _mostly_equal(out, expected, frac=0.98)
+    fresh = silu_and_mul(x.view(1, t, 2 * inter))  # leading dims kept
+    assert fresh.shape == (1, t, inter) and torch.equal(fresh[0], out)
+
+
+def test_silu_and_mul_strided_rows():
+    wide = _randn(5, 300, dtype=torch.float32, seed=13)
+    x = wide[:, :256]  # rows not contiguous with each other
+    _close(silu_and_mul(x), ref_activation.silu_and_mul(x), torch.float32)
+
+
+# ---------------------------------------------------------------- CUDA: bf16, large shapes, graphs
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [576, 4096, 8192])
+def test_cuda_rms_norm_large(dtype, hidden):
+    ref = _ref_norm(hidden, dtype, seed=hidden)
+    x = _randn(257, hidden, dtype=dtype, seed=14, scale=3.0)
+    residual = _randn(257, hidden, dtype=dtype, seed=15, scale=3.0)
+    with torch.no_grad():
+        expected_plain = ref(x)
+        expected, expected_sum = ref(x, residual)
+    out = rms_norm(x, ref.weight.data, ref.eps)
+    _close(out, expected_plain, dtype)
+    _mostly_equal(out, expected_plain)
+    poisoned = torch.full_like(x, float("nan"))
+    out, residual = rms_norm(x, ref.weight.data, ref.eps, residual=residual, out=poisoned)
+    assert torch.equal(residual, expected_sum)
+    _close(out, expected, dtype)
+    _mostly_equal(out, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (14, 2, 64), (16, 16, 80)])
+def test_cuda_rotary(dtype, hq, hk, d):
+    t, max_pos = 333, 4096
+    rotary = RotaryEmbedding(d, max_pos, ROPES["llama3"]).to(DEV)
+    positions = torch.randint(0, max_pos, (t,), generator=_gen(16)).to(DEV)
+    _, q, k, _ = _fused_qkv(t, hq, hk, d, dtype, seed=17)
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    apply_rotary(positions, q, k, rotary.cos, rotary.sin)
+    if dtype == torch.float32:
+        _close(q, expected_q, dtype)
+        _close(k, expected_k, dtype)
+    else:
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_store_kv_and_silu(dtype):
+    t, hk, d, num_blocks, block_size = 301, 8, 128, 64, 16
+    kc, vc = _caches(num_blocks, block_size, hk, d, dtype)
+    _, _, k, v = _fused_qkv(t, 32, hk, d, dtype, seed=18)
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(19))[:t].to(DEV)
+    slots[::7] = -1
+    valid = slots >= 0
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    ref_store_kv(k[valid], v[valid], ref_kc, ref_vc, slots[valid])
+    store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+
+    x = _randn(t, 2 * 14336, dtype=dtype, seed=20, scale=4.0)
+    out = silu_and_mul(x, out=torch.full((t, 14336), float("nan"), dtype=dtype, device=DEV))
+    expected = ref_activation.silu_and_mul(x)
+    _close(out, expected, dtype)
+    _mostly_equal(out, expected, frac=0.98)
+
+
+@needs_cuda
+def test_cuda_graph_capture():
+    """All four kernels capture into one CUDA graph and replay on new inputs."""
+    dtype, t, hq, hk, d, hidden = torch.bfloat16, 8, 8, 2, 64, 512
+    norm = _ref_norm(hidden, dtype, seed=21)
+    rotary = RotaryEmbedding(d, 256, ROPES["default"]).to(DEV)
+    x = torch.zeros(t, hidden, dtype=dtype, device=DEV)
+    res = torch.zeros_like(x)
+    qkv = torch.zeros(t, (hq + 2 * hk) * d, dtype=dtype, device=DEV)
+    q, k, v = (p.view(t, -1, d) for p in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    positions = torch.zeros(t, dtype=torch.int64, device=DEV)
+    slots = torch.full((t,), -1, dtype=torch.int64, device=DEV)
+    kc = torch.zeros(4, 16, hk, d, dtype=dtype, device=DEV)
+    vc = torch.zeros_like(kc)
+    gate_up = torch.zeros(t, 2 * hidden, dtype=dtype, device=DEV)
+
+    def step():
+        normed, _ = rms_norm(x, norm.weight.data, norm.eps, residual=res)
+        apply_rotary(positions, q, k, rotary.cos, rotary.sin)
+        store_kv(k, v, kc, vc, slots)
+        return normed, silu_and_mul(gate_up)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed_out, act_out = step()
+
+    x.copy_(_randn(t, hidden, dtype=dtype, seed=22))
+    res.copy_(_randn(t, hidden, dtype=dtype, seed=23))
+    qkv.copy_(_randn(t, qkv.shape[1], dtype=dtype, seed=24))
+    positions.copy_(torch.arange(t, device=DEV) * 3)
+    slots.copy_(torch.tensor([3, 9, -1, 20, 21, -1, 60, 0], device=DEV))
+    gate_up.copy_(_randn(t, 2 * hidden, dtype=dtype, seed=25))
+    x0, res0, qkv0 = x.clone(), res.clone(), qkv.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+
+    with torch.no_grad():
+        exp_normed, exp_sum = norm(x0, res0)
+    assert torch.equal(res, exp_sum)
+    _close(normed_out, exp_normed, dtype)
+    q0, k0, v0 = (p.view(t, -1, d) for p in qkv0.split([hq * d, hk * d, hk * d], dim=-1))
+    exp_q, exp_k = rotary(positions, q0, k0)
+    assert torch.equal(q, exp_q) and torch.equal(k, exp_k)
+    exp_kc, exp_vc = torch.zeros_like(kc), torch.zeros_like(vc)
+    valid = slots >= 0
+    ref_store_kv(exp_k[valid], v0[valid], exp_kc, exp_vc, slots[valid])
+    assert torch.equal(kc, exp_kc) and torch.equal(vc, exp_vc)
+    _close(act_out, ref_activation.silu_and_mul(gate_up), dtype)
