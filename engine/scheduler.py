@@ -118,6 +118,8 @@ class Scheduler:
             seats += seq.num_seqs_when_running
             budget -= num_new
         bm = self.block_manager
+        if not self.waiting:
+            return out
         in_flight = self._blocks_in_flight(out.scheduled)
         self.waiting.sort(key=lambda s: s.sort_key)
         admitted: set[int] = set()
