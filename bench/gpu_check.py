@@ -36,6 +36,7 @@ from bench.throughput import random_prompts, ranged_workload  # noqa: E402  (nee
 LLAMA_8B = str(ROOT / "bench/configs/llama3-8b")
 QWEN3_06B = str(ROOT / "bench/configs/qwen3-0.6b")
 HBM_SPEC = 3.35e12  # H100 SXM HBM3, bytes/s (datasheet)
+ASYNC = False  # --async: engines schedule step N+1 while step N runs
 
 
 def _commit() -> str:
@@ -179,6 +180,7 @@ def w1_prompts() -> list[list[int]]:
 def _llm(model: str, backend: str, eager: bool, **kw):
     from engine import LLM
 
+    kw.setdefault("async_scheduling", ASYNC)
     return LLM(model, dtype="bfloat16", load_format="dummy", attention_backend=backend, enforce_eager=eager, **kw)
 
 
@@ -229,7 +231,7 @@ def mode_workload(args) -> None:
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
-                "cuda_graphs": not args.eager, "elapsed_s": elapsed, "output_tokens": tokens,
+                "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
                 "output_tok_s": tokens / elapsed, "load_s": load_s})
 
 
@@ -332,7 +334,8 @@ def mode_profile(args) -> None:
     llm = _llm(model, args.backend, args.eager)
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, outs)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                                      output_kind="final_only"))  # as LLM.generate does
     profiler = cProfile.Profile()
     walls, step = [], 0
     first, last = (20, 120) if args.name == "w1" else (100, 400)
@@ -360,6 +363,7 @@ def mode_profile(args) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
     device_us = sum(e.self_device_time_total for e in prof.key_averages())
     emit(args, {"mode": "profile", "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
+                "async_scheduling": ASYNC,
                 "steps": step, "step_ms_median": statistics.median(walls) * 1e3, "total_s": sum(walls),
                 "traced_steps_wall_ms": traced_wall * 1e3, "traced_steps_device_ms": device_us / 1e3})
 
@@ -371,12 +375,15 @@ def main() -> None:
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async", dest="async_scheduling", action="store_true", help="async scheduling")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
         args.out = os.path.join(os.environ["OUT"], "gpu_check.jsonl") if os.environ.get("OUT") else \
             str(ROOT / "bench/results/gpu_check-h100.jsonl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    global ASYNC
+    ASYNC = args.async_scheduling
     {"peaks": mode_peaks, "kernels": mode_kernels, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
 

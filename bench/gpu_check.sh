@@ -15,9 +15,10 @@ for step in "$@"; do
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
-    profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
+    profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} ${PROFILE_ARGS:-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
              tail -1 $OUT/gpu_check.jsonl ;;
     w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
+    w1-async|w2-async) python3 bench/gpu_check.py workload ${step%-async} --backend triton --async ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
     w1-flash|w2-flash) python3 bench/gpu_check.py workload ${step%-flash} --backend flash_attn ;;

@@ -82,12 +82,13 @@ class BlockManager:
         seq.num_computed_tokens = hit
         return hit
 
-    def name_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
-        """After a step that computed `num_new_tokens` of `seq`: put the blocks it filled into the cache."""
+    def name_full_blocks(self, seq: Sequence, end: int, num_new_tokens: int) -> None:
+        """After a step computed `seq`'s tokens [end - num_new_tokens, end): put the blocks it filled
+        into the cache. (`end`, not num_computed_tokens: a later step may be planned already.)"""
         if not self.enable_prefix_caching:
             return
-        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
-        full = seq.num_computed_tokens // self.block_size
+        first = (end - num_new_tokens) // self.block_size
+        full = end // self.block_size
         if first == full:  # most decode steps: no block filled up
             return
         names = self.block_names_of(seq, full)

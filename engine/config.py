@@ -37,6 +37,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flash_attn (auto: triton on CUDA, torch on CPU)
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
+    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs on the device
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -12,7 +12,8 @@ from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
+from engine.scheduler import ScheduledSeq
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
@@ -35,6 +36,18 @@ class StepStats:
     num_waiting: int
     num_swapped: int
     kv_cache_usage: float  # fraction of KV blocks in use
+
+
+@dataclass
+class _Step:
+    """A launched step, until its tokens are read."""
+
+    scheduled: list[ScheduledSeq]
+    ends: list[int]  # per scheduled sequence: its computed tokens once this step has run
+    sampling: list[tuple[Sequence, int]]
+    slots: list[int]  # per sampling row: the index in token_ids its token goes to
+    launched: LaunchedStep
+    stats: tuple  # the StepStats fields known at launch
 
 
 class LLMEngine:
@@ -82,6 +95,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self.in_flight: _Step | None = None  # launched, tokens not read yet (async scheduling)
         self.last_step: StepStats | None = None
 
     def _resolve_max_model_len(self, mc) -> int:
@@ -191,20 +205,36 @@ class LLMEngine:
     # ----- the step -----
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling round and forward; outputs of every request that changed."""
-        expired = self._expire_queued()
+        """One scheduling round and forward; outputs of every request that changed.
+
+        With async scheduling, the next step is scheduled and launched before this one's tokens
+        are read, so the host work of one step overlaps the device work of the other: each call
+        completes the step launched by the call before and leaves its successor on the device."""
+        outputs = self._expire_queued()
+        if self.in_flight is None:
+            self.in_flight = self._launch()
+            if self.in_flight is None:
+                self.last_step = StepStats(0, 0, 0, 0, 0, 0, 0, *self._occupancy())
+                return outputs
+        done = self.in_flight
+        self.in_flight = self._launch(done) if self._can_overlap() else None
+        return outputs + self._complete(done)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight returns its tokens:
+        not when a penalty needs the generated tokens themselves on the host."""
+        return self.config.async_scheduling and not any(
+            s.request.params.reads_output_tokens for s in self.scheduler.running
+        )
+
+    def _launch(self, previous: _Step | None = None) -> _Step | None:
+        """Schedule and enqueue a step. Every sequence it samples gets a PLACEHOLDER token (unless
+        this token surely ends it by length), so the scheduler can already plan its next token."""
         bm = self.block_manager
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         sched = self.scheduler.schedule()
-        preemption = (
-            len(sched.preempted),
-            sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
-            bm.prefix_queried_tokens - queried,
-            bm.prefix_hit_tokens - hits,
-        )
         if sched.is_empty:
-            self.last_step = StepStats(0, 0, 0, *preemption, *self._occupancy())
-            return expired
+            return None
         scheduled_at = time.monotonic()
         for item in sched.scheduled:
             if item.seq.request.first_scheduled_time is None:
@@ -219,19 +249,46 @@ class LLMEngine:
                 continue
             sampling.append((item.seq, row))
             sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
-        results = self.runner.execute(sched.scheduled, sampling)
+        launched = self.runner.launch(sched.scheduled, sampling, previous.launched if previous else None)
+        # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
+        prefill_tokens = sum(
+            i.num_new_tokens for i in sched.scheduled
+            if i.num_new_tokens > 1 or i.seq.num_computed_tokens < i.seq.num_prompt_tokens
+        )
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.name_full_blocks(item.seq, item.num_new_tokens)
+        ends = [item.seq.num_computed_tokens for item in sched.scheduled]
+        slots = []
+        for seq, _ in sampling:
+            slots.append(len(seq.token_ids))
+            if not self._ends_by_length(seq, len(seq.token_ids) + 1):
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+        stats = (
+            sched.num_batched_tokens, prefill_tokens, len(sampling), len(sched.preempted),
+            sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
+            bm.prefix_queried_tokens - queried, bm.prefix_hit_tokens - hits,
+        )
+        return _Step(sched.scheduled, ends, sampling, slots, launched, stats)
+
+    def _complete(self, step: _Step) -> list[RequestOutput]:
+        """Read a launched step's tokens, put them in place of the placeholders, check stops."""
+        results = self.runner.collect(step.launched)
+        for item, end in zip(step.scheduled, step.ends):
+            # Not for a sequence preempted (or finished) since: its blocks are gone.
+            if item.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        logprobs = results.logprobs or [None] * len(sampling)
-        for (seq, _), token, token_logprobs in zip(sampling, results.token_ids, logprobs):
-            self._append_token(seq, token, token_logprobs)
+        logprobs = results.logprobs or [None] * len(step.sampling)
+        for (seq, _), slot, token, token_logprobs in zip(step.sampling, step.slots, results.token_ids, logprobs):
+            if seq.is_finished:  # aborted, or stopped by the token before this one
+                continue
+            self._put_token(seq, slot, token, token_logprobs)
             request = seq.request
             request.first_token_time = request.first_token_time or now
             touched[request.request_id] = request
-        outputs = expired
+        outputs = []
         for request in touched.values():
             if request.is_finished:
                 request.finished_time = now
@@ -239,14 +296,7 @@ class LLMEngine:
             elif request.params.output_kind == "final_only":
                 continue
             outputs.append(RequestOutput.of(request))
-        # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
-        prefill_tokens = sum(
-            i.num_new_tokens for i in sched.scheduled
-            if i.num_new_tokens > 1 or i.seq.num_computed_tokens - 1 < i.seq.num_prompt_tokens
-        )
-        self.last_step = StepStats(
-            sched.num_batched_tokens, prefill_tokens, len(sampling), *preemption, *self._occupancy()
-        )
+        self.last_step = StepStats(*step.stats, *self._occupancy())
         return outputs
 
     def _occupancy(self) -> tuple[int, int, int, float]:
@@ -285,12 +335,23 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
+        max_tokens = seq.request.params.max_tokens
+        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or \
+            num_tokens >= self.max_model_len
+
+    def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
+        """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""
         params = seq.request.params
-        seq.token_ids.append(token)
+        if slot < len(seq.token_ids):
+            seq.token_ids[slot] = token
+            seq.num_pending -= 1
+        else:
+            seq.token_ids.append(token)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
-        num_out = seq.num_output_tokens
+        num_out = slot + 1 - seq.num_prompt_tokens
         if not params.ignore_eos and token in self.eos_token_ids and num_out >= params.min_tokens:
             self._finish(seq, "stop", None)
             return
@@ -302,10 +363,13 @@ class LLMEngine:
             if seq.detokenizer.stopped:
                 self._finish(seq, "stop", seq.detokenizer.stop_string)
                 return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
+        if self._ends_by_length(seq, slot + 1):
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        # A token already planned past this one (async scheduling) is dropped with the sequence.
+        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+        seq.num_pending = 0
         if seq.detokenizer is not None and not seq.detokenizer.stopped:
             seq.text += seq.detokenizer.flush()
         seq.stop_reason = stop_reason

@@ -32,6 +32,22 @@ class SampledTokens:
     logprobs: list[TokenLogprobs | None] | None  # None: no row asked
 
 
+PLACEHOLDER = -1  # a token id sampled by a step still on the GPU (async scheduling)
+
+
+@dataclass
+class LaunchedStep:
+    """A forward + sampling enqueued on the device; its tokens reach the host when `event` fires."""
+
+    sampling: list[tuple[Sequence, int]]
+    token_ids: torch.Tensor | None  # [rows] on the device: the next step's inputs read them there
+    host: list[torch.Tensor | None]  # token ids, logprobs, top ids, top logprobs, copied to (pinned) host memory
+    event: torch.cuda.Event | None  # recorded after the copies; None on the CPU
+
+    def row_of(self) -> dict[int, int]:
+        return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int]):
         self.config = config
@@ -206,50 +222,98 @@ class ModelRunner:
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
 
+    def execute(self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]) -> SampledTokens:
+        """Run one forward over `scheduled` and sample (see `launch`), waiting for the tokens."""
+        return self.collect(self.launch(scheduled, sampling))
+
     @torch.inference_mode()
-    def execute(
-        self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]
-    ) -> SampledTokens:
-        """Run one forward over `scheduled`; sample for each (sequence, index into `scheduled` whose
-        last token's logits it reads). Children of n > 1 read their parent's row."""
+    def launch(
+        self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]], previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Enqueue one forward over `scheduled` and the sampling of each (sequence, index into
+        `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row).
+
+        A sequence's last token may be PLACEHOLDER: sampled by `previous`, which is still on the
+        device; its value is copied there from `previous`'s token tensor, with no host sync."""
         seqs = [s.seq for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
         num_computed = [s.num_computed_tokens for s in seqs]
         token_ids = [t for s, c, n in zip(seqs, num_computed, num_new) for t in s.token_ids[c : c + n]]
         # Positions: each sequence's new tokens continue from its computed ones.
-        starts = np.repeat(np.asarray(num_computed) - np.cumsum([0] + num_new[:-1]), num_new)
+        ends = np.cumsum(num_new)
+        starts = np.repeat(np.asarray(num_computed) - (ends - num_new), num_new)
         positions = starts + np.arange(len(token_ids))
+        fill = self._placeholders(token_ids, seqs, ends, previous)
         tables = [s.block_table for s in seqs]
         rows = [row for _, row in sampling]
         if self.graphs is not None and len(token_ids) == len(seqs) and self.graphs.fits(len(seqs)):
-            logits = self.graphs.run(token_ids, positions, tables)
-            if not sampling:
-                return SampledTokens([], None)
+            logits = self.graphs.run(token_ids, positions, tables, fill)
             if rows != list(range(len(seqs))):  # n > 1 children read their parent's row
                 logits = logits[self._upload(np.asarray(rows))]
         else:
             meta = self._metadata(num_new, positions, tables)
-            hidden = self.model(self._upload(np.asarray(token_ids)), self._upload(positions), meta)
-            if not sampling:
-                return SampledTokens([], None)
-            last_token = np.asarray(meta.query_start[1:]) - 1
-            logits = self.model.compute_logits(hidden[self._upload(last_token[rows])])
+            input_ids = self._upload(np.asarray(token_ids))
+            if fill is not None:
+                input_ids[fill[0]] = fill[1]
+            hidden = self.model(input_ids, self._upload(positions), meta)
+            logits = self.model.compute_logits(hidden[self._upload(ends[rows] - 1)]) if sampling else None
+        if not sampling:
+            return LaunchedStep([], None, [None] * 4, None)
         sampler_rows = [
             SamplerRow(seq.request.params, seq.seed, seq.request.prompt_token_ids,
                        seq.output_token_ids if seq.request.params.reads_output_tokens else [], seq.num_output_tokens)
             for seq, _ in sampling
         ]
         out = self.sampler(logits, sampler_rows)
-        return self._to_host(out, sampling)
+        device_out = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+        if self.device.type != "cuda":
+            return LaunchedStep(sampling, out.token_ids, device_out, None)
+        # Pinned destinations: the copies run in stream order and the host does not wait for them.
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_out]
+        for dst, src in zip(host, device_out):
+            if src is not None:
+                dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(sampling, out.token_ids, host, event)
 
-    def _to_host(self, out, sampling: list[tuple[Sequence, int]]) -> SampledTokens:
-        # The step's one device->host sync: the sampled tokens (and logprobs when asked).
-        token_ids = out.token_ids.tolist()
-        if out.logprobs is None:
+    def _placeholders(
+        self, token_ids: list[int], seqs: list[Sequence], ends: np.ndarray, previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input indices, their tokens on the device) for PLACEHOLDER inputs; zeroes them in `token_ids`.
+
+        A placeholder is always the last token of its sequence, so only the last input of each
+        sequence is looked at."""
+        if previous is None:
+            return None
+        rows = previous.row_of()
+        dst, src = [], []
+        for i, seq in enumerate(seqs):
+            last = int(ends[i]) - 1
+            if token_ids[last] == PLACEHOLDER:
+                token_ids[last] = 0
+                dst.append(last)
+                src.append(rows[seq.seq_id])
+        if not dst:
+            return None
+        return self._upload(np.asarray(dst)), previous.token_ids[self._upload(np.asarray(src))]
+
+    def collect(self, step: LaunchedStep) -> SampledTokens:
+        """Wait for a launched step's tokens (only its own copies, not later work) and read them."""
+        if step.event is not None:
+            step.event.synchronize()
+        return self._to_host(step.host, step.sampling)
+
+    def _to_host(self, host: list[torch.Tensor | None], sampling: list[tuple[Sequence, int]]) -> SampledTokens:
+        if not sampling:
+            return SampledTokens([], None)
+        # On the CPU these are the sampler's own tensors; on CUDA, host copies that have landed.
+        token_ids = host[0].tolist()
+        if host[1] is None:
             return SampledTokens(token_ids, None)
-        logprobs = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        logprobs = host[1].tolist()
+        top_ids = host[2].tolist() if host[2] is not None else None
+        top_lps = host[3].tolist() if host[3] is not None else None
         per_row: list[TokenLogprobs | None] = []
         for i, ((seq, _), token) in enumerate(zip(sampling, token_ids)):
             k = seq.request.params.logprobs
@@ -304,9 +368,10 @@ class DecodeGraphs:
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.inputs
         self.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write into the cache
-        self.host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True)
+        self.host = [torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.host_tables = [torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.turn = 0
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # positions + 1, in the graph
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
@@ -362,24 +427,33 @@ class DecodeGraphs:
         self.graphs[batch] = graph
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: np.ndarray, tables: list[list[int]]) -> torch.Tensor:
-        """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits."""
+    def run(
+        self, token_ids: list[int], positions: np.ndarray, tables: list[list[int]],
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.
+        `fill`: (row indices, token ids on the device) that replace those rows' token ids."""
         n = len(token_ids)
         batch = next(b for b in self.sizes if b >= n)
         bs = self.runner.block_size
-        host = self.host.numpy()
+        # Two staging buffers, alternating: with async scheduling this step's inputs are written
+        # while the previous step's copy from the other buffer may still be queued. The one from
+        # two steps back has landed: its step's tokens were waited for before this launch.
+        self.turn ^= 1
+        host_tensor, tables_tensor = self.host[self.turn], self.host_tables[self.turn]
+        host = host_tensor.numpy()
         host[0, :n] = token_ids
         pos = host[1, :n]
         pos[:] = positions
-        tables_host = self.host_tables.numpy()
+        tables_host = tables_tensor.numpy()
         width = block_table_array(tables, tables_host)
         host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         # Padded rows: position 0 (so one key to attend to), and no KV store.
         host[1, n:batch] = 0
         host[2, n:batch] = -1
-        # Reusing the pinned buffers is safe: the previous step's copies finished before its
-        # sampled tokens came back to the host.
-        self.inputs[:, :batch].copy_(self.host[:, :batch], non_blocking=True)
-        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.inputs[:, :batch].copy_(host_tensor[:, :batch], non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables_tensor[:n, :width], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[batch].replay()
         return self.logits[batch][:n]

@@ -155,7 +155,9 @@ class Scheduler:
         names: set[bytes] = set()
         for item in items:
             first = item.seq.num_computed_tokens // bm.block_size
-            full = (item.seq.num_computed_tokens + item.num_new_tokens) // bm.block_size
+            # Only blocks of known tokens: a planned token (async scheduling) is not one yet.
+            known = len(item.seq.token_ids) - item.seq.num_pending
+            full = min(item.seq.num_computed_tokens + item.num_new_tokens, known) // bm.block_size
             names.update(bm.block_names_of(item.seq, full)[first:])
         return names
 

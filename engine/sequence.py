@@ -45,6 +45,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer, created when the model has a tokenizer
     num_preemptions: int = 0
+    num_pending: int = 0  # trailing token_ids that are PLACEHOLDERs: sampled on the device, not read yet
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -138,7 +139,7 @@ class RequestOutput:
             CompletionOutput(
                 index=s.index,
                 text=s.text,
-                token_ids=s.output_token_ids,
+                token_ids=s.token_ids[s.num_prompt_tokens : len(s.token_ids) - s.num_pending],
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,

@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="never replay CUDA graphs for decode batches (slower; for debugging)",
     )
     eng.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch each step while the previous one still runs on the GPU, so the host's work "
+        "per step overlaps the device's (requests with repetition/presence/frequency penalties wait instead)",
+    )
+    eng.add_argument(
         "--queue-timeout", type=float, default=None,
         help="seconds a request may wait to be scheduled; beyond it, it is answered 503 (default: no limit)",
     )
@@ -195,6 +200,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str | None):
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -176,3 +176,33 @@ def test_a_request_queued_past_its_timeout_finishes_with_timeout(tiny_model_dir)
     assert finished["late"].outputs[0].token_ids == []
     assert len(finished["patient"].outputs[0].token_ids) == 5
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_async_scheduling_gives_the_same_outputs(default_model_dir):
+    """Scheduling step N+1 before step N's tokens are read changes nothing a client sees: stops,
+    EOS, lengths, seeds, n > 1, logprobs, penalties (which fall back to waiting)."""
+    llms = [LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, async_scheduling=a,
+                max_num_batched_tokens=64) for a in (False, True)]
+    prompts = [chat_ids(llms[0], t) for t in ("Count from one to ten.", "Name a color.", "Hi", "Write a poem.")]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["5."]),
+        SamplingParams(temperature=0.0, max_tokens=60),  # ends by EOS
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=20, logprobs=2),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=30, stop_token_ids=[13]),
+    ]
+    runs = [llm.generate(prompts, params, use_tqdm=False) for llm in llms]
+    for sync, overlapped in zip(*runs):
+        for a, b in zip(sync.outputs, overlapped.outputs):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                              b.stop_reason)
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs:
+                assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
+    with_penalty = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5)
+    outs = [llm.generate(prompts[:2], with_penalty, use_tqdm=False) for llm in llms]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in runs[0]][:2] == [("stop", "5."),
+                                                                                             ("stop", None)]
+    for llm in llms:
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks

@@ -39,6 +39,9 @@ MODES = {
     "chunked": ({"max_num_batched_tokens": 32}, False),
     "preempt": ({"num_gpu_blocks_override": 12, "max_model_len": 192}, False),
     "swap": ({"num_gpu_blocks_override": 12, "max_model_len": 192, "preemption_mode": "swap", "swap_space": 0.01}, False),
+    # Step N+1 scheduled while step N runs: chunked prefill and preemption with tokens in flight.
+    "async": ({"async_scheduling": True, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 12,
+               "max_model_len": 192}, False),
 }
 
 

@@ -73,7 +73,7 @@ def _compute(bm: BlockManager, seq: Sequence) -> None:
     num_new = len(seq.token_ids) - seq.num_computed_tokens
     bm.allocate(seq, num_new)
     seq.num_computed_tokens += num_new
-    bm.name_full_blocks(seq, num_new)
+    bm.name_full_blocks(seq, seq.num_computed_tokens, num_new)
 
 
 def test_hits_need_the_whole_chain_not_just_the_block():

@@ -50,13 +50,14 @@ def engine_factory(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
 
     def make(
-        num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool, swap: bool = False
+        num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool, swap: bool = False,
+        async_scheduling: bool = False,
     ) -> LLMEngine:
         return LLMEngine(EngineConfig(
             model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=num_blocks,
             block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
             enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
-            preemption_mode="swap" if swap else "recompute", swap_space=0.0005,
+            preemption_mode="swap" if swap else "recompute", swap_space=0.0005, async_scheduling=async_scheduling,
         ))
 
     return make
@@ -83,11 +84,13 @@ request_strategy = st.fixed_dictionaries({
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
     swap=st.booleans(),
+    async_scheduling=st.booleans(),
 )
 def test_random_workloads_finish_and_free_everything(
-    engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching, swap
+    engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching, swap, async_scheduling
 ):
-    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching, swap)
+    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching, swap,
+                            async_scheduling)
     finished: dict[str, object] = {}
     step = 0
     pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive_at"])
@@ -159,7 +162,7 @@ def test_freeing_twice_is_caught():
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_factory, seed):
     rng = random.Random(seed)
-    engine = engine_factory(24, 16, 48, True, True, swap=seed % 2 == 0)
+    engine = engine_factory(24, 16, 48, True, True, swap=seed % 2 == 0, async_scheduling=seed % 3 != 0)
     live: list[str] = []
     done = 0
     for i in range(1000):
