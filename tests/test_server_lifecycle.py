@@ -121,3 +121,30 @@ def test_help_explains_every_flag():
         assert flag in out.stdout, flag
     bad = subprocess.run([str(pagoda), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--max-num-seqs" in bad.stderr
+
+
+def test_async_scheduling_serves_the_same_answers_and_frees_aborted_blocks(tmp_path):
+    srv = start_server(tmp_path, "--async-scheduling", "--max-model-len", "512", "--num-gpu-blocks-override", "64")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        greedy = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=FRANCE, temperature=0,
+                                                max_tokens=20)
+        assert greedy.choices[0].message.content.startswith("The capital of France is Paris.")
+        kwargs = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", n=2, seed=7, temperature=0.9,
+                      max_tokens=10)
+        whole = client.completions.create(**kwargs)
+        streamed = {0: "", 1: ""}
+        for chunk in client.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == {c.index: c.text for c in whole.choices} and whole.usage.completion_tokens == 20
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Count:", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                assert next(line for line in lines if line.startswith("data:"))
+        after = wait_for_metric(srv.url, "pagoda:kv_cache_usage_perc", lambda v: v == 0, timeout=10)
+        assert after[("pagoda:num_requests_running", ())] == 0
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
