@@ -625,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     load.add_argument("--sweep-concurrency", default=None, metavar="C1,C2,...", help="one run per concurrency, "
                       "each with its own prompts (seed + index, so a prefix cache gains nothing across runs)")
+    load.add_argument("--prompts-per-concurrency", type=int, default=0, metavar="K",
+                      help="with a concurrency C: at least K x C requests (so every level runs K rounds)")
     load.add_argument("--num-warmups", type=int, default=0, help="warm-up requests before measuring (not counted)")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--temperature", type=float, default=0.0)
@@ -714,7 +716,8 @@ async def _run(args: argparse.Namespace, base_url: str, headers: dict[str, str],
             print(f"warm-up: {len(results)} requests, {failed} failed", file=sys.stderr)
         for k, concurrency in enumerate(points):
             run_config = RunConfig(**{**asdict(config), "max_concurrency": concurrency, "seed": args.seed + k})
-            prompts = _make_prompts(args, args.seed + k, args.num_prompts, tokenizer)
+            num = max(args.num_prompts, args.prompts_per_concurrency * (concurrency or 0))
+            prompts = _make_prompts(args, args.seed + k, num, tokenizer)
             results, duration, peak = await run_requests(client, prompts, run_config)
             check_token_counts(results, tokenizer if not args.skip_token_check else None)
             run = {"max_concurrency": concurrency, "request_rate": config.request_rate,
