@@ -157,7 +157,8 @@ class ModelRunner:
         query_start = np.zeros(len(num_new) + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start[1:])
         seq_lens = positions[query_start[1:] - 1] + 1
-        block_tables = block_table_array(tables)
+        # The torch backend gathers every column: no padding for it.
+        block_tables = block_table_array(tables, multiple=16 if self.attention_backend != "torch" else 1)
         # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, one vectorized gather.
         seq_index = np.repeat(np.arange(len(num_new)), num_new)
         slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
@@ -325,15 +326,15 @@ class ModelRunner:
         return SampledTokens(token_ids, per_row)
 
 
-def block_table_array(tables: list[list[int]], out: np.ndarray | None = None):
-    """Rows of block ids, zero-padded to a common width that is a multiple of 16.
+def block_table_array(tables: list[list[int]], out: np.ndarray | None = None, multiple: int = 16):
+    """Rows of block ids, zero-padded to a common width that is a multiple of `multiple`.
 
     The width is a stride of the attention kernels' block-table argument; Triton compiles a variant
     per divisibility of an integer argument, so a width that is always a multiple of 16 keeps the
     kernels compiled at start-up the only ones. Without `out`: a new [rows, width] int32 array.
     With `out` (a [max_rows, max_width] buffer): fills its top-left corner, returns the width.
     """
-    width = -(-max(len(t) for t in tables) // 16) * 16
+    width = -(-max(len(t) for t in tables) // multiple) * multiple
     array = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
     for row, table in enumerate(tables):
         array[row, : len(table)] = table

@@ -99,7 +99,7 @@ class Attention(nn.Module):
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if meta.decode_only:
                 return self._decode(q, meta)
-            return self._prefill(q, meta)
+            return self._prefill(q, k, v, meta)
         from engine.kernels import kv_store
 
         kv_store.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -145,23 +145,43 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(s, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        block_size = self.k_cache.shape[1]
+        # Sequences with nothing cached before this step (the common prompt) attend to this step's
+        # own k/v, and those of one length share a single causal call; the others (chunks after
+        # cached context, decodes in a mixed batch) gather their context from the cache one by one.
+        fresh: dict[int, list[int]] = {}
         for s, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[s], meta.query_start[s + 1]
-            num_blocks = -(-seq_len // block_size)
-            table = meta.block_tables[s : s + 1, :num_blocks]
-            keys = self._gather(self.k_cache, table)[:, :, :seq_len]
-            values = self._gather(self.v_cache, table)[:, :, :seq_len]
-            qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            q_len = end - start
-            # Query i sits at position seq_len - q_len + i and sees keys up to it.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
+            if end - start == seq_len:
+                fresh.setdefault(seq_len, []).append(start)
+                continue
+            out[start:end] = self._attend_cached(q[start:end], s, seq_len, meta)
+        for length, starts in fresh.items():
+            rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).view(-1)
+
+            def batch(x: torch.Tensor) -> torch.Tensor:  # [n * length, heads, D] -> [n, heads, length, D]
+                return x.index_select(0, rows).view(len(starts), length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+            out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim))
         return out
+
+    def _attend_cached(self, qs: torch.Tensor, s: int, seq_len: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Sequence s's new queries [q_len, H, D] against its whole context, read from the cache."""
+        block_size = self.k_cache.shape[1]
+        num_blocks = -(-seq_len // block_size)
+        table = meta.block_tables[s : s + 1, :num_blocks]
+        keys = self._gather(self.k_cache, table)[:, :, :seq_len]
+        values = self._gather(self.v_cache, table)[:, :, :seq_len]
+        q_len = qs.shape[0]
+        # Query i sits at position seq_len - q_len + i and sees keys up to it.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=qs.device)
+        mask = q_pos[:, None] >= torch.arange(seq_len, device=qs.device)[None, :]
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
 
 
 def store_kv(
