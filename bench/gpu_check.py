@@ -36,7 +36,7 @@ from bench.throughput import random_prompts, ranged_workload  # noqa: E402  (nee
 LLAMA_8B = str(ROOT / "bench/configs/llama3-8b")
 QWEN3_06B = str(ROOT / "bench/configs/qwen3-0.6b")
 HBM_SPEC = 3.35e12  # H100 SXM HBM3, bytes/s (datasheet)
-ASYNC = False  # --async: engines schedule step N+1 while step N runs
+ASYNC = True  # --sync: engines wait for step N's tokens before scheduling step N+1
 
 
 def _commit() -> str:
@@ -375,7 +375,8 @@ def main() -> None:
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async", dest="async_scheduling", action="store_true", help="async scheduling")
+    parser.add_argument("--sync", dest="async_scheduling", action="store_false",
+                        help="no async scheduling (the engine default on CUDA is async)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-eager w2-eager w1-torch w2-torch transformers roofline
+#   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log.
 set -u
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -18,7 +18,7 @@ for step in "$@"; do
     profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} ${PROFILE_ARGS:-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
              tail -1 $OUT/gpu_check.jsonl ;;
     w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
-    w1-async|w2-async) python3 bench/gpu_check.py workload ${step%-async} --backend triton --async ;;
+    w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
     w1-flash|w2-flash) python3 bench/gpu_check.py workload ${step%-flash} --backend flash_attn ;;

@@ -56,7 +56,7 @@ for server in $SERVERS; do
               --served-model-name h2h --disable-uvicorn-access-log ${PAGODA_ARGS:-} > "$OUT/pagoda.log" 2>&1 & ;;
     vllm)   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 ${VLLM_PYTHON:-python3} \
               -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$PORT" \
-              --load-format "$LOAD_FORMAT" --served-model-name h2h --disable-log-requests ${VLLM_ARGS:-} \
+              --load-format "$LOAD_FORMAT" --served-model-name h2h ${VLLM_ARGS:-} \
               > "$OUT/vllm.log" 2>&1 & ;;
     *) echo "unknown server $server"; continue ;;
   esac

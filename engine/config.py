@@ -37,13 +37,17 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flash_attn (auto: triton on CUDA, torch on CPU)
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
-    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs on the device
+    # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
+    # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="never replay CUDA graphs for decode batches (slower; for debugging)",
     )
     eng.add_argument(
-        "--async-scheduling", action="store_true",
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="schedule and launch each step while the previous one still runs on the GPU, so the host's work "
-        "per step overlaps the device's (requests with repetition/presence/frequency penalties wait instead)",
+        "per step overlaps the device's (requests with repetition/presence/frequency penalties wait instead) "
+        "(default: on with CUDA, off on the CPU)",
     )
     eng.add_argument(
         "--queue-timeout", type=float, default=None,

@@ -206,3 +206,12 @@ def test_async_scheduling_gives_the_same_outputs(default_model_dir):
     for llm in llms:
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_async_scheduling_defaults_to_on_for_cuda_only():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
