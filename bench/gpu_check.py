@@ -67,6 +67,29 @@ def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_time(fn, iters: int = 20, calls: int = 10) -> float | None:
+    """Median seconds per call of `calls` calls captured in one CUDA graph: the GPU's time without
+    the host's launch cost, as the engine sees it inside its decode graphs. None if fn cannot be
+    captured."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # allocations of the first call happen outside the capture
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+    except RuntimeError as exc:
+        print(f"graph capture failed: {exc}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+    return cuda_time(graph.replay, iters=iters) / calls
+
+
 def measure_peaks() -> tuple[float, float]:
     """(bytes/s of a device-to-device copy counting read + write, bf16 matmul FLOP/s at 8192^3)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -127,9 +150,11 @@ def mode_kernels(args) -> None:
             q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
             seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
             ours = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
-            own_s = cuda_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale))
-            row = {"mode": "kernel", "kernel": "decode", "batch": batch, "context": ctx, "heads": h, "kv_heads": kvh,
-                   "head_dim": d, "block_size": bs, "own_us": own_s * 1e6}
+            eager_s = cuda_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale))
+            own_s = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)) or eager_s
+            row = {"mode": "kernel", "kernel": "decode", "timing": "cuda_graph", "batch": batch, "context": ctx,
+                   "heads": h, "kv_heads": kvh, "head_dim": d, "block_size": bs, "own_us": own_s * 1e6,
+                   "own_eager_us": eager_s * 1e6}
             kv_bytes = 2 * batch * ctx * kvh * d * 2
             row["bound_us"] = kv_bytes / hbm * 1e6
             row["own_hbm_fraction"] = kv_bytes / own_s / hbm
@@ -138,8 +163,10 @@ def mode_kernels(args) -> None:
                 kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
                           max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
                 theirs = peer(**kw)
-                peer_s = cuda_time(lambda: peer(**kw))
-                row.update(peer=peer_name, peer_us=peer_s * 1e6, own_over_peer=own_s / peer_s,
+                peer_eager_s = cuda_time(lambda: peer(**kw))
+                peer_s = graph_time(lambda: peer(**kw)) or peer_eager_s
+                row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_eager_us=peer_eager_s * 1e6,
+                           own_over_peer=own_s / peer_s,
                            rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
             emit(args, row)
     for ctx in (512, 2048, 8192, 32768):
@@ -163,6 +190,36 @@ def mode_kernels(args) -> None:
                        own_over_peer=own_s / peer_s,
                        rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
         emit(args, row)
+
+
+def mode_decode_splits(args) -> None:
+    """Own decode kernel, CUDA-graph timed, for each split count at the batch x context shapes of
+    W1 and W2 (uniform and ragged lengths): which split count each shape wants."""
+    from engine.kernels.attention import decode_num_splits, paged_decode
+
+    hbm, _ = measure_peaks()
+    h, kvh, d, bs = 32, 8, 128, 16
+    scale = d**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(b, c, False) for b in (16, 64, 128, 256) for c in (256, 640, 1024, 2048)]
+    shapes += [(b, 2048, True) for b in (8, 32, 64, 256)]  # ragged: lengths U[100, 2048], like W2's mid-run
+    for batch, ctx, ragged in shapes:
+        k_cache, v_cache, tables = _paged_cache(batch, ctx, kvh, d, bs, gen)
+        q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        if ragged:
+            seq_lens = torch.randint(100, ctx + 1, (batch,), dtype=torch.int32, device="cuda", generator=gen)
+        else:
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * 2
+        times = {}
+        for splits in (1, 2, 4, 8, 16):
+            t = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=splits))
+            times[splits] = t * 1e6 if t is not None else float("inf")
+        best = min(times, key=times.get)
+        default = decode_num_splits(batch, kvh)
+        emit(args, {"mode": "decode_splits", "batch": batch, "context": ctx, "ragged": ragged, "us": times,
+                    "best_splits": best, "default_splits": default, "default_over_best": times[default] / times[best],
+                    "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm})
 
 
 # ----- engine-level checks -----
@@ -211,6 +268,7 @@ def mode_greedy(args) -> None:
 
 
 def mode_workload(args) -> None:
+    import engine.kernels.attention as engine_attention
     from engine import SamplingParams
 
     if args.name == "w1":
@@ -232,6 +290,7 @@ def mode_workload(args) -> None:
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
                 "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
+                "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
                 "output_tok_s": tokens / elapsed, "load_s": load_s})
 
 
@@ -370,13 +429,15 @@ def mode_profile(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["peaks", "kernels", "greedy", "workload", "transformers", "roofline",
-                                         "profile"])
+    parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "greedy", "workload", "transformers",
+                                         "roofline", "profile"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--sync", dest="async_scheduling", action="store_false",
                         help="no async scheduling (the engine default on CUDA is async)")
+    parser.add_argument("--programs-per-sm", type=int, default=None,
+                        help="decode split count target (engine.kernels.attention.DECODE_PROGRAMS_PER_SM)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -385,7 +446,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     global ASYNC
     ASYNC = args.async_scheduling
-    {"peaks": mode_peaks, "kernels": mode_kernels, "greedy": mode_greedy, "workload": mode_workload,
+    if args.programs_per_sm is not None:
+        import engine.kernels.attention
+
+        engine.kernels.attention.DECODE_PROGRAMS_PER_SM = args.programs_per_sm
+    {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
 
 

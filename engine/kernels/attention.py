@@ -260,10 +260,14 @@ def paged_prefill(
     return out
 
 
+# Decode programs to aim for per SM when choosing the split count (bench/gpu_check.py varies it).
+DECODE_PROGRAMS_PER_SM = 2
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """KV splits for decode, from shapes only: about two programs per SM, at most 16 splits."""
+    """KV splits for decode, from shapes only: about DECODE_PROGRAMS_PER_SM programs per SM, at most 16."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(16, triton.cdiv(2 * num_sms, programs)))
+    return max(1, min(16, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)))
 
 
 def paged_decode(
