@@ -212,7 +212,7 @@ def mode_decode_splits(args) -> None:
             seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * 2
         times = {}
-        for splits in (1, 2, 4, 8, 16):
+        for splits in sorted({1, 2, 4, 8, 16, decode_num_splits(batch, kvh)}):
             t = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=splits))
             times[splits] = t * 1e6 if t is not None else float("inf")
         best = min(times, key=times.get)
