@@ -203,6 +203,7 @@ def mode_decode_splits(args) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(b, c, False) for b in (16, 64, 128, 256) for c in (256, 640, 1024, 2048)]
     shapes += [(b, 2048, True) for b in (8, 32, 64, 256)]  # ragged: lengths U[100, 2048], like W2's mid-run
+    shapes += [(1, 8192, False), (1, 32768, False), (4, 32768, False)]  # one user, long context
     for batch, ctx, ragged in shapes:
         k_cache, v_cache, tables = _paged_cache(batch, ctx, kvh, d, bs, gen)
         q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -212,7 +213,7 @@ def mode_decode_splits(args) -> None:
             seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * 2
         times = {}
-        for splits in sorted({1, 2, 4, 8, 16, decode_num_splits(batch, kvh)}):
+        for splits in sorted({1, 2, 4, 8, 16, decode_num_splits(batch, kvh)} | ({32, 64} if batch <= 4 else set())):
             t = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=splits))
             times[splits] = t * 1e6 if t is not None else float("inf")
         best = min(times, key=times.get)
@@ -220,6 +221,39 @@ def mode_decode_splits(args) -> None:
         emit(args, {"mode": "decode_splits", "batch": batch, "context": ctx, "ragged": ragged, "us": times,
                     "best_splits": best, "default_splits": default, "default_over_best": times[default] / times[best],
                     "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm})
+
+
+def mode_prefill_tune(args) -> None:
+    """Own prefill kernel, tile configurations x folded-scale softmax, at long-prompt shapes."""
+    from engine.kernels.attention import paged_prefill
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    scale = d**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+             (128, 128, 8, 2)]
+    for num_seqs, ctx in ((8, 2048), (2, 8192)):
+        k_cache, v_cache, tables = _paged_cache(num_seqs, ctx, kvh, d, bs, gen)
+        q = torch.randn(num_seqs * ctx, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(0, num_seqs * ctx + 1, ctx, dtype=torch.int32, device="cuda")
+        flops = 4 * num_seqs * h * d * ctx * (ctx + 1) / 2
+        ref = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx).float()
+        for block_m, block_n, warps, stages in tiles:
+            for fold in (False, True):
+                config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                          "FOLD_SCALE": fold}
+                row = {"mode": "prefill_tune", "num_seqs": num_seqs, "context": ctx, **config}
+                try:
+                    out = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx, config=config)
+                    t = cuda_time(lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx,
+                                                        config=config), iters=10)
+                except Exception as exc:  # e.g. out of shared memory for a large tile
+                    row["error"] = repr(exc)[:200]
+                else:
+                    row.update(us=t * 1e6, tflops=flops / t / 1e12,
+                               rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
+                emit(args, row)
 
 
 # ----- engine-level checks -----
@@ -429,8 +463,8 @@ def mode_profile(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "greedy", "workload", "transformers",
-                                         "roofline", "profile"])
+    parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "prefill-tune", "greedy", "workload",
+                                         "transformers", "roofline", "profile"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -450,7 +484,7 @@ def main() -> None:
         import engine.kernels.attention
 
         engine.kernels.attention.DECODE_PROGRAMS_PER_SM = args.programs_per_sm
-    {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "greedy": mode_greedy, "workload": mode_workload,
+    {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
 
 

@@ -123,6 +123,19 @@ def test_prefill_mixed_batch(dtype, heads, kv_heads, head_dim, block_size):
     assert_close(out, reference(**batch), dtype)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{"FOLD_SCALE": True}, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+     {"BLOCK_M": 32, "BLOCK_N": 128, "FOLD_SCALE": True}],
+)
+def test_prefill_tile_configs(config):
+    # The tile shapes and the folded-scale softmax that bench/gpu_check.py prefill-tune times.
+    batch = make_batch(MIXED_CTX, MIXED_Q, 8, 2, 64, 16, torch.float16, seed=4)
+    out = poisoned_like(batch["q"])
+    paged_prefill(**batch, max_query_len=max(MIXED_Q), out=out, config=config)
+    assert_close(out, reference(**batch), torch.float16)
+
+
 def test_prefill_block_larger_than_key_tile():
     # 128-token blocks against 64-key tiles; the context crosses a block boundary.
     batch = make_batch([150, 0], [10, 3], 4, 2, 64, 128, torch.float32, seed=1)

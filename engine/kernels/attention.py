@@ -37,12 +37,14 @@ def _attend_keys(
     k_ptr, v_ptr, bt_row_ptr, kvh, lo, hi, qk_scale,
     stride_b, stride_s, stride_h, d, d_ok,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
 ):
     """Fold keys lo..hi-1 into the running softmax state of the query rows q.
 
     CAUSAL masks key positions after each row's q_pos; BOUNDED masks positions >= hi. Callers
     turn both off for the key tiles every row sees in full, which skips the masking work there.
+    FOLD_SCALE applies the softmax scale to the row maxima and inside the exponent's
+    multiply-add instead of to every score first, and accumulates P @ V inside the MMA.
     """
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -54,7 +56,9 @@ def _attend_keys(
             load_ok = d_ok[None, :]
         offs = _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOCK_SIZE)
         k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not FOLD_SCALE:
+            scores = scores * qk_scale
         if CAUSAL:
             visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -63,12 +67,20 @@ def _attend_keys(
         # Every row has a finite score in its first tile (key 0 is visible to every query,
         # and a decode split's first tile holds at least one key), so m_new is never -inf
         # and exp2(m_i - m_new) never sees -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
+        if FOLD_SCALE:
+            # qk_scale > 0, so scaling the maximum equals the maximum of the scaled scores.
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+            p = tl.exp2(scores * qk_scale - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if FOLD_SCALE:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -79,6 +91,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr = False,
 ):
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -115,11 +128,11 @@ def _prefill_kernel(
     kv_end = context + tl.minimum(first_q + BLOCK_Q, q_len)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, kvh, 0, full_end, qk_scale,
-        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, False, False, PRECISION,
+        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, False, False, PRECISION, FOLD_SCALE,
     )
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, kvh, full_end, kv_end, qk_scale,
-        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
+        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, True, True, PRECISION, FOLD_SCALE,
     )
     acc = acc / l_i[:, None]
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -227,6 +240,7 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
@@ -243,19 +257,20 @@ def paged_prefill(
     group = heads // kv_heads
     # 64 rows: G heads x 64/G queries. A pure long prefill costs the same K/V traffic as one head
     # per program, while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows.
-    block_m = max(64, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
-    block_q = block_m // group
+    # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
+    # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there.
+    # `config` overrides them (bench/gpu_check.py prefill-tune).
+    tiles = {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2,
+             "FOLD_SCALE": False, **(config or {})}
+    tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
+    block_q = tiles["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, seq_lens, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_precision(q.dtype),
-        # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
-        # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there.
-        num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION=_precision(q.dtype), **tiles,
     )
     return out
 
