@@ -1,7 +1,7 @@
 """AsyncEngine: runs LLMEngine.step() on a background thread and streams each request's outputs.
 
 The engine loop owns the LLMEngine; callers on the asyncio side only put commands (add, abort)
-on a thread-safe queue and read their request's asyncio.Queue. Outputs of one step are handed to
+on a thread-safe queue and receive their request's outputs in an OutputSink. Outputs of one step are handed to
 the event loop in a single call, so a step costs the event loop one wake-up, not one per request.
 """
 
@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepStats
@@ -35,7 +36,7 @@ class _Add:
     priority: int
     arrival_time: float
     queue_timeout: float | None
-    stream: "_Stream"
+    sink: OutputSink
 
 
 @dataclass
@@ -43,13 +44,28 @@ class _Abort:
     request_id: str
 
 
+class OutputSink(Protocol):
+    """Where one request's outputs go on the asyncio side. `put` is called on `loop`, with each
+    RequestOutput in order, then, only if the request ended without a finished output, None (it was
+    aborted) or the exception that ended it (e.g. EngineDeadError)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put(self, item: RequestOutput | BaseException | None) -> None: ...
+
+
 class _Stream:
-    """The asyncio side of one request: outputs, then None at the end, or an exception."""
+    """The sink of one generate() call: a queue its caller reads."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
-        self.finished = False
+        self.finished = False  # nothing more will come: no abort needed when the caller leaves
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        if not isinstance(item, RequestOutput) or item.finished:
+            self.finished = True
+        self.queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -58,7 +74,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # owned by the loop thread
+        self._sinks: dict[str, OutputSink] = {}  # owned by the loop thread
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False  # set once by the loop thread as it exits, under _lock
@@ -86,6 +102,30 @@ class AsyncEngine:
 
     # ----- the asyncio side -----
 
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        priority: int = 0,
+        queue_timeout: float | None = None,
+    ) -> None:
+        """Queue a request (prompt already tokenized); its outputs go to `sink` on the sink's loop.
+
+        Raises InvalidParameter (nothing queued) if the request cannot be served, EngineDeadError if
+        the loop has stopped. Whoever stops listening before the end must call abort().
+        """
+        self.engine.check_request(prompt, params)
+        with self._lock:  # against the loop thread closing between the check and the put
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._commands.put(_Add(request_id, prompt, params, priority, time.monotonic(), queue_timeout, sink))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (an unknown or finished one is ignored); its sink gets None."""
+        self._commands.put(_Abort(request_id))
+
     async def generate(
         self,
         request_id: str,
@@ -99,12 +139,8 @@ class AsyncEngine:
         Raises InvalidParameter before anything is queued if the request cannot be served.
         Leaving the iteration early (a client disconnect) aborts the request and frees its blocks.
         """
-        self.engine.check_request(prompt, params)
         stream = _Stream(asyncio.get_running_loop())
-        with self._lock:  # against the loop thread closing between the check and the put
-            if not self.is_alive:
-                raise EngineDeadError("the engine is not running")
-            self._commands.put(_Add(request_id, prompt, params, priority, time.monotonic(), queue_timeout, stream))
+        self.add(request_id, prompt, params, stream, priority, queue_timeout)
         try:
             while True:
                 item = await stream.queue.get()
@@ -117,7 +153,7 @@ class AsyncEngine:
                     return
         finally:
             if not stream.finished:
-                self._commands.put(_Abort(request_id))
+                self.abort(request_id)
 
     # ----- the engine thread -----
 
@@ -155,9 +191,9 @@ class AsyncEngine:
             return
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
-            stream = self._streams.pop(command.request_id, None)
-            if stream is not None:
-                self._deliver(stream, [None])
+            sink = self._sinks.pop(command.request_id, None)
+            if sink is not None:
+                self._deliver(sink, None)
             return
         try:
             self.engine.add_request(
@@ -165,26 +201,24 @@ class AsyncEngine:
                 command.queue_timeout,
             )
         except Exception as exc:  # e.g. a duplicate request id: that request fails, the loop goes on
-            self._deliver(command.stream, [exc])
+            self._deliver(command.sink, exc)
             return
-        self._streams[command.request_id] = command.stream
+        self._sinks[command.request_id] = command.sink
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, RequestOutput]]] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
                 continue
             if out.finished:
-                del self._streams[out.request_id]
-                stream.finished = True
-            by_loop.setdefault(stream.loop, []).append((stream, out))
+                del self._sinks[out.request_id]
+            by_loop.setdefault(sink.loop, []).append((sink, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, stream: _Stream, items: list) -> None:
-        stream.finished = True
-        stream.loop.call_soon_threadsafe(_put_all, [(stream, item) for item in items])
+    def _deliver(self, sink: OutputSink, item: BaseException | None) -> None:
+        sink.loop.call_soon_threadsafe(_put_all, [(sink, item)])
 
     def _fail_all(self, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine stopped: {exc!r}")
@@ -197,15 +231,18 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                self._streams[command.request_id] = command.stream
-        for stream in self._streams.values():
+                self._sinks[command.request_id] = command.sink
+        for sink in self._sinks.values():
             try:
-                self._deliver(stream, [error])
+                self._deliver(sink, error)
             except RuntimeError:  # that event loop is closed already
                 pass
-        self._streams.clear()
+        self._sinks.clear()
 
 
-def _put_all(items: list) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
+def _put_all(items: list[tuple[OutputSink, RequestOutput | BaseException | None]]) -> None:
+    for sink, item in items:
+        try:
+            sink.put(item)
+        except Exception:
+            log.exception("delivering an output of %s failed", getattr(item, "request_id", "a request"))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+from pydantic_core import to_json
+
 from engine.sequence import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from server.protocol import (
@@ -175,31 +178,57 @@ class _Chunker:
         return parts
 
 
+def _text_template(chunk: BaseModel, marker: str) -> tuple[str, str]:
+    """The JSON of a chunk with one text choice, split around `marker` (its index and empty text), so a
+    chunk for another index and text is prefix + index + JSON string + suffix. Taken from the model's
+    own serialization, so the bytes stay what pydantic writes, field for field."""
+    prefix, suffix = chunk.model_dump_json().split(marker)
+    return prefix, suffix
+
+
+def _json_str(text: str) -> str:
+    # pydantic's own serializer, so the escaping is byte for byte what model_dump_json would write.
+    return to_json(text).decode()
+
+
+@dataclass
 class ChatChunker(_Chunker):
-    def start(self) -> list[ChatCompletionChunk]:
+    """Chunks as JSON strings. A plain content delta (most chunks) is filled into a template instead of
+    building and serializing pydantic models: this runs once per token per stream, on the event loop."""
+
+    def __post_init__(self) -> None:
+        template = self._chunk(ChatChunkChoice(index=0, delta=Delta(content=""), logprobs=None))
+        self._prefix, self._suffix = _text_template(template, '0,"delta":{"content":""}')
+
+    def start(self) -> list[str]:
         """The first chunk of every choice: the assistant role, as OpenAI's streams begin."""
         return [
-            self._chunk(ChatChunkChoice(index=i, delta=Delta(role="assistant", content="")))
+            self._chunk(ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))).model_dump_json()
             for i in range(self.job.n)
         ]
 
-    def update(self, prompt_index: int, out: RequestOutput) -> list[ChatCompletionChunk]:
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
         chunks = []
         for part in self._new_parts(prompt_index, out):
             if part.text or part.logprobs:
-                logprobs = chat_logprobs(part.logprobs, self.strings) if self.job.logprobs else None
-                delta = Delta(content=part.text)
-                chunks.append(self._chunk(ChatChunkChoice(index=part.index, delta=delta, logprobs=logprobs)))
+                if self.job.logprobs:
+                    logprobs = chat_logprobs(part.logprobs, self.strings)
+                    delta = Delta(content=part.text)
+                    chunk = self._chunk(ChatChunkChoice(index=part.index, delta=delta, logprobs=logprobs))
+                    chunks.append(chunk.model_dump_json())
+                else:
+                    content = _json_str(part.text)
+                    chunks.append(f'{self._prefix}{part.index},"delta":{{"content":{content}}}{self._suffix}')
             if part.finish_reason is not None:
                 # OpenAI ends each choice with a chunk of its own: an empty delta and the reason.
                 chunks.append(self._chunk(ChatChunkChoice(
                     index=part.index, delta=Delta(), finish_reason=part.finish_reason,
                     stop_reason=part.choice.stop_reason,
-                )))
+                )).model_dump_json())
         return chunks
 
-    def usage_chunk(self) -> ChatCompletionChunk:
-        return self._chunk(None, usage(self.last))
+    def usage_chunk(self) -> str:
+        return self._chunk(None, usage(self.last)).model_dump_json()
 
     def _chunk(self, choice: ChatChunkChoice | None, usage_: Usage | None = None) -> ChatCompletionChunk:
         job = self.job
@@ -208,8 +237,15 @@ class ChatChunker(_Chunker):
         )
 
 
+@dataclass
 class CompletionChunker(_Chunker):
-    def start(self) -> list[Completion]:
+    """Chunks as JSON strings; a plain text chunk (most chunks) is filled into a template, as in ChatChunker."""
+
+    def __post_init__(self) -> None:
+        template = self._chunk([CompletionChoice(index=0, text="", logprobs=None, finish_reason=None)])
+        self._prefix, self._suffix = _text_template(template, '0,"text":""')
+
+    def start(self) -> list[str]:
         """With echo, each choice's stream begins with its prompt's text."""
         if not self.job.echo_texts:
             return []
@@ -217,12 +253,16 @@ class CompletionChunker(_Chunker):
         for prompt_index, text in enumerate(self.job.echo_texts):
             for i in range(self.job.n):
                 index = prompt_index * self.job.n + i
-                chunks.append(self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)]))
+                choice = CompletionChoice(index=index, text=text, finish_reason=None)
+                chunks.append(self._chunk([choice]).model_dump_json())
         return chunks
 
-    def update(self, prompt_index: int, out: RequestOutput) -> list[Completion]:
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
         chunks = []
         for part in self._new_parts(prompt_index, out):
+            if not self.job.logprobs and part.finish_reason is None:
+                chunks.append(f'{self._prefix}{part.index},"text":{_json_str(part.text)}{self._suffix}')
+                continue
             logprobs = None
             if self.job.logprobs:
                 logprobs = completion_logprobs(part.logprobs, self.strings, part.sent.text_offset)
@@ -231,11 +271,11 @@ class CompletionChunker(_Chunker):
                 index=part.index, text=part.text, logprobs=logprobs, finish_reason=part.finish_reason,
                 stop_reason=part.choice.stop_reason if part.finish_reason else None,
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice]).model_dump_json())
         return chunks
 
-    def usage_chunk(self) -> Completion:
-        return self._chunk([], usage(self.last))
+    def usage_chunk(self) -> str:
+        return self._chunk([], usage(self.last)).model_dump_json()
 
     def _chunk(self, choices: list[CompletionChoice], usage_: Usage | None = None) -> Completion:
         job = self.job

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -19,7 +19,7 @@ from server.metrics import Metrics, RequestTracker
 
 log = logging.getLogger("pagoda.server")
 
-_END = object()  # one engine request has no more outputs
+_END = object()  # every engine request has ended
 _DISCONNECTED = object()
 
 
@@ -43,12 +43,30 @@ class Admission:
         return self.limit is not None and self.queued >= self.limit
 
 
-class Generation:
-    """The engine requests of one HTTP request, one per prompt, running as tasks from the start.
+class _Prompt:
+    """One engine request of a Generation, and the sink its outputs arrive at (on the event loop)."""
 
-    Their outputs arrive on one queue as (prompt index, RequestOutput). If the client disconnects,
-    every task is cancelled at once, which aborts its engine request and frees its KV blocks,
-    whether or not anyone is reading the outputs (a stream's writer may be blocked or gone).
+    def __init__(self, generation: Generation, index: int, engine_id: str, tracker: RequestTracker):
+        self.generation = generation
+        self.loop = generation.loop
+        self.index = index
+        self.engine_id = engine_id
+        self.tracker = tracker
+        self.queued = True  # counted in Admission until its first output (or its end)
+        self.done = False  # no more outputs will come, or none are wanted
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        self.generation._arrive(self, item)
+
+
+class Generation:
+    """The engine requests of one HTTP request, one per prompt, all queued from the start.
+
+    The engine hands their outputs straight to this object on the event loop (no task per prompt):
+    metrics and the admission count are updated as they arrive, whether or not anyone is reading
+    them (a stream's writer may be blocked or gone), and they wait in one deque that the reader
+    drains whole. If the client disconnects, every unfinished engine request is aborted at once,
+    which frees its KV blocks.
     """
 
     def __init__(
@@ -62,44 +80,61 @@ class Generation:
         admission: Admission,
         metrics: Metrics,
     ):
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self._engine = engine
         self._admission = admission
-        self._queued = [True] * len(prompts)
-        self._tasks: list[asyncio.Task] = []
-        for i, prompt in enumerate(prompts):
-            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            tracker = RequestTracker(metrics, params.n)
-            admission.queued += 1
-            task = asyncio.create_task(self._pump(i, engine.generate(engine_id, prompt, params, priority), tracker))
-            # A done callback runs even for a task cancelled before it started, so nothing leaks.
-            task.add_done_callback(partial(self._done, i, tracker))
-            self._tasks.append(task)
-        self._remaining = len(self._tasks)
+        # (prompt index, RequestOutput | exception | _DISCONNECTED) in arrival order.
+        self._ready: deque[tuple[int, object]] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._prompts = [
+            _Prompt(self, i, request_id if len(prompts) == 1 else f"{request_id}-{i}", RequestTracker(metrics, params.n))
+            for i in range(len(prompts))
+        ]
+        self._remaining = len(prompts)
+        admission.queued += len(prompts)
         self._watcher = asyncio.create_task(self._watch(http_request))
+        for prompt, tokens in zip(self._prompts, prompts, strict=True):
+            try:
+                engine.add(prompt.engine_id, tokens, params, prompt, priority)
+            except Exception as exc:  # noqa: BLE001 -- told in order, like any error of that request (the engine died)
+                self._arrive(prompt, exc)
 
-    async def _pump(self, i: int, source: AsyncIterator[RequestOutput], tracker: RequestTracker) -> None:
-        async for out in source:
-            if out.finished and all(c.finish_reason == "timeout" for c in out.outputs):
+    def _arrive(self, prompt: _Prompt, item: RequestOutput | BaseException | None) -> None:
+        if prompt.done:  # e.g. the None of an abort we asked for
+            return
+        if isinstance(item, RequestOutput):
+            if item.finished and all(c.finish_reason == "timeout" for c in item.outputs):
                 # Not a result to show (no token was made), but a refusal: the client should retry.
-                raise QueueTimeout("the request waited too long to be scheduled; the server is overloaded")
-            self._dequeue(i)
-            tracker.on_output(out)
-            self._queue.put_nowait((i, out))
+                item = QueueTimeout("the request waited too long to be scheduled; the server is overloaded")
+            else:
+                self._dequeue(prompt)
+                prompt.tracker.on_output(item)
+                self._push(prompt.index, item)
+                if item.finished:
+                    self._end(prompt)
+                return
+        if isinstance(item, BaseException):
+            prompt.tracker.on_abort("timeout" if isinstance(item, QueueTimeout) else "abort")
+            self._push(prompt.index, item)
+        self._end(prompt)
 
-    def _dequeue(self, i: int) -> None:
-        if self._queued[i]:
-            self._queued[i] = False
-            self._admission.queued -= 1
+    def _push(self, index: int, item: object) -> None:
+        self._ready.append((index, item))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def _done(self, i: int, tracker: RequestTracker, task: asyncio.Task) -> None:
-        self._dequeue(i)
-        error = None if task.cancelled() else task.exception()
-        if task.cancelled() or error is not None:
-            tracker.on_abort("timeout" if isinstance(error, QueueTimeout) else "abort")
-        self._queue.put_nowait((i, error or _END))
+    def _end(self, prompt: _Prompt) -> None:
+        self._dequeue(prompt)
+        prompt.done = True
         self._remaining -= 1
         if self._remaining == 0:
             self._watcher.cancel()
+            self._push(-1, _END)  # wakes the reader, which may wait for nothing else
+
+    def _dequeue(self, prompt: _Prompt) -> None:
+        if prompt.queued:
+            prompt.queued = False
+            self._admission.queued -= 1
 
     async def _watch(self, http_request: Request) -> None:
         # The body has been read, so the next message the server has for us is the disconnect.
@@ -107,43 +142,68 @@ class Generation:
             pass
         if self._remaining:
             log.info("client disconnected: aborting %d request(s)", self._remaining)
+        self._push(-1, _DISCONNECTED)  # before cancel() ends the requests: the reader must not see a normal end
         self.cancel()
-        self._queue.put_nowait((-1, _DISCONNECTED))
 
     def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        """Abort every engine request that has not ended (their unfinished choices count as aborted)."""
+        for prompt in self._prompts:
+            if not prompt.done:
+                prompt.tracker.on_abort("abort")
+                self._engine.abort(prompt.engine_id)
+                self._end(prompt)
         self._watcher.cancel()
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as they come, until all are finished. Raises ClientDisconnected,
-        or the engine's error (EngineDeadError)."""
-        remaining = len(self._tasks)
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Every (prompt index, output) that has arrived since the last batch, in order, until all are
+        finished: one wake-up per batch, however many outputs the engine delivered meanwhile. Raises
+        ClientDisconnected, QueueTimeout or the engine's error (EngineDeadError) where it occurred."""
         try:
-            while remaining:
-                i, item = await self._queue.get()
-                if item is _DISCONNECTED:
-                    raise ClientDisconnected()
-                if item is _END:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
+            while True:
+                if not self._ready:
+                    self._waiter = self.loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                batch = []
+                while self._ready:
+                    i, item = self._ready.popleft()
+                    if isinstance(item, RequestOutput):
+                        batch.append((i, item))
+                        continue
+                    if batch:  # what came before it is delivered first
+                        self._ready.appendleft((i, item))
+                        break
+                    if item is _END:
+                        return
+                    if item is _DISCONNECTED:
+                        raise ClientDisconnected()
                     raise item
-                else:
-                    yield i, item
+                if batch:
+                    yield batch
         finally:
             self.cancel()
 
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, until all are finished; raises as batches() does."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
 
 class Chunker(Protocol):
-    def start(self) -> list[BaseModel]: ...
+    """Renders a stream's chunks as JSON bodies (see server/render.py)."""
 
-    def update(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]: ...
+    def start(self) -> list[str]: ...
 
-    def usage_chunk(self) -> BaseModel: ...
+    def update(self, prompt_index: int, out: RequestOutput) -> list[str]: ...
+
+    def usage_chunk(self) -> str: ...
 
 
-def sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+def sse(body: str) -> str:
+    return f"data: {body}\n\n"
 
 
 async def sse_events(
@@ -151,20 +211,24 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The whole event stream: opening chunks, deltas, the usage chunk if asked, then [DONE].
 
+    Outputs that arrived together (the reader fell a step behind) are written together: still one
+    event per chunk, but one write, since each write costs the event loop more than its rendering.
     An error after the headers are sent can only be told in the stream: it becomes an error event.
     """
     try:
-        for chunk in chunker.start():
-            yield sse(chunk)
-        async for prompt_index, out in generation.outputs():
-            for chunk in chunker.update(prompt_index, out):
-                yield sse(chunk)
+        opening = "".join(sse(chunk) for chunk in chunker.start())
+        if opening:
+            yield opening
+        async for batch in generation.batches():
+            events = "".join(sse(chunk) for prompt_index, out in batch for chunk in chunker.update(prompt_index, out))
+            if events:
+                yield events
         if include_usage:
             yield sse(chunker.usage_chunk())
     except ClientDisconnected:
         return
     except Exception as exc:
-        yield sse(error_body(exc))
+        yield sse(error_body(exc).model_dump_json())
     finally:
         generation.cancel()
     yield "data: [DONE]\n\n"
