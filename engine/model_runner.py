@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.layers.linear import can_prepack, prepack_linears
 from engine.loader import load_model
 from engine.paged_attention import AttentionMetadata, select_backend
 from engine.sampler import Sampler, SamplerRow
@@ -71,6 +72,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "use_kernel"):
                     module.use_kernel = True
+        if can_prepack(self.dtype, self.device):
+            prepack_linears(self.model)
         self.graphs: DecodeGraphs | None = None
 
     # ----- KV cache -----
