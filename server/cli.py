@@ -240,19 +240,8 @@ def serve_command(args: argparse.Namespace) -> int:
     # (Set only now: until the server runs, the default handlers stop a model load at once.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        runner.run(_serve(server, names[0], capacity, engine.max_model_len, args))
+    asyncio.run(_serve(server, names[0], capacity, engine.max_model_len, args))
     return 0 if engine.error is None else 1
-
-
-def _event_loop_factory():
-    """uvloop's event loop where it is installed: every streamed token costs the loop a wake-up and
-    a socket write, which uvloop does in C (uvicorn likewise picks httptools over h11 by itself)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 async def _serve(server, name: str, capacity: int, max_model_len: int, args: argparse.Namespace) -> None:
