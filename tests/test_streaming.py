@@ -1,5 +1,5 @@
-"""server/streaming.py and the stream chunks of server/render.py, without a model: a fake engine
-hands outputs to a Generation the way AsyncEngine does, several at once when the reader is behind."""
+"""server/streaming.py and the stream chunks of server/render.py, on a real AsyncEngine (the default
+model on the CPU, so tokens have text) and Starlette's Request driven by ASGI messages, as uvicorn does."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import asyncio
 import json
 
 import pytest
+from starlette.requests import Request
 
-from engine.sampling_params import SamplingParams
+from engine import EngineConfig, LLM, SamplingParams
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sequence import CompletionOutput, RequestOutput
 from server.metrics import Metrics
 from server.protocol import (
@@ -22,126 +24,128 @@ from server.render import ChatChunker, CompletionChunker, Job
 from server.streaming import Admission, Generation, sse_events
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "new\nline\ttab\r\x00\x01\x1f\x7f", "é 漢字 🦀", "\u2028\u2029", "</script>"]
+PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
-class FakeEngine:
-    """AsyncEngine's add/abort; the test delivers the outputs itself through the sinks."""
-
-    def __init__(self):
-        self.sinks = {}
-        self.aborted: list[str] = []
-
-    def add(self, request_id, prompt, params, sink, priority=0, queue_timeout=None):
-        self.sinks[request_id] = sink
-
-    def abort(self, request_id):
-        self.aborted.append(request_id)
+@pytest.fixture
+def async_engine(default_model_dir):
+    engine = AsyncEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
+                                      max_model_len=512))
+    engine.start()
+    yield engine
+    engine.shutdown()
 
 
-class FakeRequest:
-    """The HTTP request: receive() blocks until the test disconnects the client."""
+class Client:
+    """The ASGI side of one HTTP request: the body is read; `leave()` sends the disconnect."""
 
     def __init__(self):
         self.gone = asyncio.Event()
+        self.request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                               self._receive)
 
-    async def receive(self):
+    async def _receive(self):
         await self.gone.wait()
         return {"type": "http.disconnect"}
 
-
-def output(request_id: str, tokens: list[int], finished: bool = False) -> RequestOutput:
-    text = "".join(f"<{t}>" for t in tokens)
-    choice = CompletionOutput(0, text, list(tokens), "length" if finished else None)
-    return RequestOutput(request_id, None, [7, 8, 9], [choice], finished)
+    def leave(self):
+        self.gone.set()
 
 
-def make(engine: FakeEngine, request: FakeRequest, prompts: int = 1) -> tuple[Generation, Job, Metrics]:
+def make(engine: AsyncEngine, client: Client, max_tokens: int, prompts: int = 1) -> tuple[Generation, Job, Metrics]:
     metrics = Metrics("m", 64)
-    job = Job("cmpl-1", 1, "m", [[7, 8, 9]] * prompts, 1, False)
-    generation = Generation(request, engine, job.id, job.prompts, SamplingParams(max_tokens=4), 0,
-                            Admission(None), metrics)
+    job = Job("cmpl-1", 1, "m", [PROMPT] * prompts, 1, False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    generation = Generation(client.request, engine, job.id, job.prompts, params, 0, Admission(None), metrics)
     return generation, job, metrics
+
+
+async def wait_ready(generation: Generation, count: int) -> None:
+    """Until `count` outputs wait unread (the reader has fallen behind the engine)."""
+    while len(generation._ready) < count:
+        await asyncio.sleep(0.01)
 
 
 def events(writes: list[str]) -> list[dict | str]:
     return [json.loads(e[6:]) if e != "data: [DONE]" else e for w in writes for e in w.split("\n\n") if e]
 
 
-def test_outputs_queued_together_are_one_write_with_every_token_once_in_order():
+def test_outputs_queued_together_are_one_write_with_every_token_once_in_order(async_engine, default_model_dir):
     async def main():
-        engine, request = FakeEngine(), FakeRequest()
-        generation, job, _ = make(engine, request)
-        sink = engine.sinks["cmpl-1"]
-        # Three steps' outputs arrive before the reader first runs, then the last one on its own.
-        for n in (1, 2, 3):
-            sink.loop.call_soon(sink.put, output("cmpl-1", list(range(1, n + 1))))
-        writes = []
-        stream = sse_events(generation, CompletionChunker(job, None), True, lambda exc: None)
-        writes.append(await anext(stream))
-        sink.put(output("cmpl-1", [1, 2, 3, 4], finished=True))
-        writes += [w async for w in stream]
-        return writes, engine
+        client = Client()
+        generation, job, _ = make(async_engine, client, 12)
+        await wait_ready(generation, 3)
+        stream = sse_events(generation, CompletionChunker(job, async_engine.tokenizer), True, lambda exc: None)
+        return [w async for w in stream]
 
-    writes, engine = asyncio.run(main())
-    assert writes[0].count("data: ") == 3  # one write, three events
+    writes = asyncio.run(main())
+    assert writes[0].count("data: ") >= 3  # the outputs that waited: one write, one event each
     got = events(writes)
     assert got[-1] == "data: [DONE]"
-    assert [e["choices"][0]["text"] for e in got[:4]] == ["<1>", "<2>", "<3>", "<4>"]
-    assert [e["choices"][0]["finish_reason"] for e in got[:4]] == [None, None, None, "length"]
-    assert got[4]["choices"] == [] and got[4]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
-                                                             "total_tokens": 7}
-    assert engine.aborted == []  # it finished: nothing to abort
+    deltas = [e for e in got[:-1] if e["choices"]]
+    ref = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert "".join(e["choices"][0]["text"] for e in deltas) == ref.text
+    assert [e["choices"][0]["finish_reason"] for e in deltas][-1] == "length"
+    assert got[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
 
 
-def test_outputs_of_several_prompts_keep_their_order_and_all_are_read():
+def test_outputs_of_several_prompts_are_all_read_each_in_order(async_engine):
     async def main():
-        engine, request = FakeEngine(), FakeRequest()
-        generation, _, _ = make(engine, request, prompts=2)
-        for n in (1, 2):
-            for i in (0, 1):
-                engine.sinks[f"cmpl-1-{i}"].put(output(f"cmpl-1-{i}", list(range(1, n + 1)), finished=n == 2))
+        generation, _, _ = make(async_engine, Client(), 6, prompts=3)
         return [item async for item in generation.outputs()]
 
     items = asyncio.run(main())
-    assert [(i, len(out.outputs[0].token_ids)) for i, out in items] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    for i in range(3):
+        lengths = [len(out.outputs[0].token_ids) for j, out in items if j == i]
+        assert lengths == list(range(1, 7))  # every token once, in order, the last one finished
+        assert [out.finished for j, out in items if j == i] == [False] * 5 + [True]
 
 
-def test_disconnect_aborts_unfinished_requests_and_ends_the_stream():
+def test_disconnect_aborts_the_unfinished_request_and_ends_the_stream(async_engine):
     async def main():
-        engine, request = FakeEngine(), FakeRequest()
-        generation, job, metrics = make(engine, request, prompts=2)
-        engine.sinks["cmpl-1-0"].put(output("cmpl-1-0", [1, 2], finished=True))
-        engine.sinks["cmpl-1-1"].put(output("cmpl-1-1", [1]))
-        stream = sse_events(generation, CompletionChunker(job, None), True, lambda exc: None)
+        client = Client()
+        generation, job, metrics = make(async_engine, client, 200)
+        stream = sse_events(generation, CompletionChunker(job, async_engine.tokenizer), True, lambda exc: None)
         first = await anext(stream)
-        request.gone.set()
+        client.leave()
         rest = [w async for w in stream]
-        return first, rest, engine, metrics
+        for _ in range(200):  # the abort reaches the engine thread
+            if not async_engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return first, rest, metrics
 
-    first, rest, engine, metrics = asyncio.run(main())
-    assert first.count("data: ") == 2  # prompt 0's whole text with its finish reason, prompt 1's first token
+    first, rest, metrics = asyncio.run(main())
+    assert first.startswith("data: ")
     assert rest == []  # nobody listens: no usage, no [DONE]
-    assert engine.aborted == ["cmpl-1-1"]
+    assert not async_engine.engine.has_unfinished_requests()
+    assert async_engine.engine.block_manager.num_free_blocks == async_engine.engine.block_manager.num_blocks
     aborted = metrics.registry.get_sample_value("pagoda:request_success_total",
                                                 {"model_name": "m", "finished_reason": "abort"})
     assert aborted == 1
 
 
-def test_reader_gone_with_error_raises_in_order():
+def test_an_engine_that_stops_is_told_after_the_outputs_before_it(async_engine):
     async def main():
-        engine, request = FakeEngine(), FakeRequest()
-        generation, _, _ = make(engine, request)
-        sink = engine.sinks["cmpl-1"]
-        sink.put(output("cmpl-1", [1]))
-        sink.put(RuntimeError("engine died"))
+        generation, _, _ = make(async_engine, Client(), 200)
+        await wait_ready(generation, 2)
+        await asyncio.to_thread(async_engine.shutdown)
         seen = []
-        with pytest.raises(RuntimeError, match="engine died"):
+        with pytest.raises(EngineDeadError):
             async for batch in generation.batches():
                 seen.append(batch)
         return seen
 
     seen = asyncio.run(main())
-    assert [[len(out.outputs[0].token_ids) for _, out in batch] for batch in seen] == [[1]]
+    lengths = [len(out.outputs[0].token_ids) for batch in seen for _, out in batch]
+    assert len(lengths) >= 2 and lengths == list(range(1, len(lengths) + 1))
+
+
+def output(request_id: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    text = "".join(f"<{t}>" for t in tokens)
+    choice = CompletionOutput(0, text, list(tokens), "length" if finished else None)
+    return RequestOutput(request_id, None, [7, 8, 9], [choice], finished)
 
 
 @pytest.mark.parametrize("text", TEXTS)
