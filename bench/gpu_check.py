@@ -311,7 +311,9 @@ def mode_workload(args) -> None:
         model = QWEN3_06B
         prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
     t0 = time.perf_counter()
-    llm = _llm(model, args.backend, args.eager)
+    engine_kw = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                   ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    llm = _llm(model, args.backend, args.eager, **engine_kw)
     load_s = time.perf_counter() - t0
     warm = [p[:32] for p in prompts[:8]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -325,6 +327,7 @@ def mode_workload(args) -> None:
     emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
                 "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
                 "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
+                "prefill_overrides": engine_attention.PREFILL_OVERRIDES, "engine_kw": engine_kw,
                 "output_tok_s": tokens / elapsed, "load_s": load_s})
 
 
@@ -472,6 +475,10 @@ def main() -> None:
                         help="no async scheduling (the engine default on CUDA is async)")
     parser.add_argument("--programs-per-sm", type=int, default=None,
                         help="decode split count target (engine.kernels.attention.DECODE_PROGRAMS_PER_SM)")
+    parser.add_argument("--prefill-tiles", default=None, metavar="M,N,WARPS",
+                        help="prefill kernel BLOCK_M,BLOCK_N,num_warps for every call (workload mode)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -484,6 +491,11 @@ def main() -> None:
         import engine.kernels.attention
 
         engine.kernels.attention.DECODE_PROGRAMS_PER_SM = args.programs_per_sm
+    if args.prefill_tiles:
+        import engine.kernels.attention
+
+        m, n, warps = (int(x) for x in args.prefill_tiles.split(","))
+        engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
     {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
 

@@ -34,7 +34,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # recompute | swap (to a CPU pool of swap_space GiB)
     queue_timeout: float | None = None  # seconds a request may wait unscheduled before it fails ("timeout")
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption_mode="swap")
-    attention_backend: str = "auto"  # auto | torch | triton | flash_attn (auto: triton on CUDA, torch on CPU)
+    attention_backend: str = "auto"  # auto | torch | triton | flash_attn | cpu (auto: triton on CUDA, cpu on the CPU)
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
     # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
@@ -56,9 +56,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.attention_backend not in ("auto", "torch", "triton", "flash_attn"):
+        if self.attention_backend not in ("auto", "torch", "triton", "flash_attn", "cpu"):
             raise ValueError(
-                f"attention_backend must be auto, torch, triton or flash_attn, got {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, triton, flash_attn or cpu, got {self.attention_backend!r}"
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")

@@ -64,14 +64,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.attention_backend = select_backend(config.attention_backend, self.device, config.block_size)
+        self.attention_backend = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         for attn in self.model.attention_layers():
             attn.backend = self.attention_backend
-        if self.attention_backend != "torch":
-            # The fused Triton kernels come with the non-reference backends.
-            for module in self.model.modules():
-                if hasattr(module, "use_kernel"):
-                    module.use_kernel = True
+        # The fused norm, rotary and SwiGLU kernels come with the attention backend: pagoda's C kernels
+        # with `cpu`, the Triton ones with triton and flash_attn, plain PyTorch with the reference.
+        kernels = {"torch": "torch", "cpu": "cpu"}.get(self.attention_backend, "triton")
+        for module in self.model.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
         if can_prepack(self.dtype, self.device):
             prepack_linears(self.model)
         self.graphs: DecodeGraphs | None = None
@@ -160,8 +161,8 @@ class ModelRunner:
         query_start = np.zeros(len(num_new) + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start[1:])
         seq_lens = positions[query_start[1:] - 1] + 1
-        # The torch backend gathers every column: no padding for it.
-        block_tables = block_table_array(tables, multiple=16 if self.attention_backend != "torch" else 1)
+        # The torch and cpu backends read no block-table columns past a sequence: no padding for them.
+        block_tables = block_table_array(tables, multiple=1 if self.attention_backend in ("torch", "cpu") else 16)
         # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, one vectorized gather.
         seq_index = np.repeat(np.arange(len(num_new)), num_new)
         slots = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs

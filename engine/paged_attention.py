@@ -9,6 +9,8 @@ Backends, one call for all:
 - triton: the kernels of engine/kernels (tiled, online softmax, read through block tables).
 - flash_attn: `flash_attn_varlen_func` with `block_table`, from the `flash-attn` package or from
   the build vLLM ships (`vllm.vllm_flash_attn`, FlashAttention-3 on Hopper).
+- cpu: pagoda's C kernels (engine/cpu_ops.py) for decodes and short query runs; long fresh prompts
+  keep the torch path, whose batched SDPA call is matmul-bound there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("torch", "triton", "flash_attn")
+BACKENDS = ("torch", "triton", "flash_attn", "cpu")
+# On the cpu backend, sequences with at most this many new tokens take the C kernel (one loop per query,
+# no matmul); longer ones the torch path, whose batched SDPA call is matmul-bound.
+CPU_KERNEL_MAX_QUERY = 64
 
 
 @dataclass
@@ -40,6 +45,15 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def cpu_split(self) -> tuple[torch.Tensor, list[int]]:
+        """For the cpu backend, once per step: (int32 indices of the sequences the C kernel takes,
+        the others' indices), split at CPU_KERNEL_MAX_QUERY new tokens."""
+        lengths = [end - start for start, end in zip(self.query_start, self.query_start[1:])]
+        short = [s for s, n in enumerate(lengths) if n <= CPU_KERNEL_MAX_QUERY]
+        long = [s for s, n in enumerate(lengths) if n > CPU_KERNEL_MAX_QUERY]
+        return torch.tensor(short, dtype=torch.int32), long
 
 
 @functools.cache
@@ -64,10 +78,21 @@ def _fa_version(device_index: int) -> int:
     return 3 if torch.cuda.get_device_capability(device_index)[0] == 9 else 2
 
 
-def select_backend(name: str, device: torch.device, block_size: int) -> str:
+def select_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype) -> str:
     """Resolve `auto` and check that the requested backend can run here."""
+    from engine import cpu_ops
+
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if cpu_ops.supports(dtype) else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend cpu runs on the CPU only")
+        if dtype not in cpu_ops.SUFFIX:
+            raise ValueError(f"attention_backend cpu supports float32 and bfloat16, not {dtype}")
+        if not cpu_ops.available():
+            raise ValueError("attention_backend cpu needs a C compiler to build engine/csrc/cpu_ops.c (see the log)")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     if name == "flash_attn":
@@ -100,6 +125,8 @@ class Attention(nn.Module):
             if meta.decode_only:
                 return self._decode(q, meta)
             return self._prefill(q, k, v, meta)
+        if self.backend == "cpu":
+            return self._cpu(q, k, v, meta)
         from engine.kernels import kv_store
 
         kv_store.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -127,6 +154,19 @@ class Attention(nn.Module):
         cu_k = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, self.k_cache, self.v_cache, cu_seqlens_k=cu_k, **kwargs)
 
+    def _cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from engine import cpu_ops
+
+        cpu_ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        short, long = meta.cpu_split
+        if short.numel():
+            cpu_ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
+                                    meta.seq_lens_tensor, short, self.scale, out)
+        if long:
+            self._prefill(q, k, v, meta, long, out)
+        return out
+
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """[S, nb] block ids -> [S, KVH, nb * block_size, D] keys or values."""
         s, nb = block_tables.shape
@@ -145,13 +185,17 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(s, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 seqs: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the sequences `seqs` (default: all) into `out` (default: a new tensor)."""
+        if out is None:
+            out = torch.empty_like(q)
         # Sequences with nothing cached before this step (the common prompt) attend to this step's
         # own k/v, and those of one length share a single causal call; the others (chunks after
         # cached context, decodes in a mixed batch) gather their context from the cache one by one.
         fresh: dict[int, list[int]] = {}
-        for s, seq_len in enumerate(meta.seq_lens):
+        for s in range(len(meta.seq_lens)) if seqs is None else seqs:
+            seq_len = meta.seq_lens[s]
             start, end = meta.query_start[s], meta.query_start[s + 1]
             if end - start == seq_len:
                 fresh.setdefault(seq_len, []).append(start)

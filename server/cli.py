@@ -132,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap (default: %(default)s)",
     )
     eng.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn", "cpu"],
         help="attention kernels: triton (pagoda's own, the default on CUDA), flash_attn (the flash-attn package "
-        "or vLLM's build of it, when installed), torch (plain PyTorch, the default on the CPU) (default: %(default)s)",
+        "or vLLM's build of it, when installed), cpu (pagoda's C kernels, built with the system compiler on first "
+        "use: the default on the CPU), torch (plain PyTorch, the reference) (default: %(default)s)",
     )
     eng.add_argument(
         "--enforce-eager", action="store_true",

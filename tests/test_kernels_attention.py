@@ -18,73 +18,11 @@ import pytest
 pytest.importorskip("triton")
 
 from engine.kernels.attention import decode_num_splits, paged_decode, paged_prefill
+from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes, bf16 and CUDA graphs need a GPU")
-
-
-def make_batch(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, spare_blocks=3):
-    """Random q, a random cache and shuffled block tables for sequences of ctx + q tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    # Physical blocks in random order, so a sequence's blocks are neither contiguous nor sorted.
-    physical = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max(1, max(blocks_per_seq)), dtype=torch.int32)
-    used = 0
-    for s, nb in enumerate(blocks_per_seq):
-        table[s, :nb] = physical[used : used + nb]
-        used += nb
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(DEVICE, dtype)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    return {
-        "q": q,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "block_tables": table.to(DEVICE),
-        "query_start": torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        "scale": head_dim**-0.5,
-    }
-
-
-def reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, chunk=256):
-    """Causal attention per sequence in float32, keys gathered slot by slot through the table."""
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    group = q.shape[1] // kv_heads
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    starts, lens = query_start.tolist(), seq_lens.tolist()
-    for s, n in enumerate(lens):
-        begin, end = starts[s], starts[s + 1]
-        pos = torch.arange(n, device=q.device)
-        slots = block_tables[s, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
-        v = v_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
-        # Query chunks bound the score matrix at long contexts.
-        for c in range(begin, end, chunk):
-            qs = q[c : min(c + chunk, end)].float()
-            q_pos = n - (end - begin) + (c - begin) + torch.arange(qs.shape[0], device=q.device)
-            scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-            scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            out[c : c + qs.shape[0]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
-
-
-def poisoned_like(q):
-    return torch.full_like(q, float("nan"))
-
-
-def assert_close(out, ref, dtype):
-    assert not out.isnan().any(), "unwritten or NaN output"
-    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
 
 
 def run_prefill(batch, max_query_len):

@@ -260,9 +260,9 @@ def paged_prefill(
     # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
     # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there. The folded
     # scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k, 336 -> 346 at 2 x 8k).
-    # `config` overrides them (bench/gpu_check.py prefill-tune).
+    # `config` (bench/gpu_check.py prefill-tune) and then PREFILL_OVERRIDES (its engine-level runs) override them.
     tiles = {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2,
-             "FOLD_SCALE": True, **(config or {})}
+             "FOLD_SCALE": True, **(config or {}), **PREFILL_OVERRIDES}
     tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
     block_q = tiles["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
@@ -275,6 +275,9 @@ def paged_prefill(
     )
     return out
 
+
+# Prefill tile settings that replace the defaults in every call (bench/gpu_check.py --prefill-tiles).
+PREFILL_OVERRIDES: dict = {}
 
 # Decode programs to aim for per SM when choosing the split count (bench/gpu_check.py varies it).
 DECODE_PROGRAMS_PER_SM = 2

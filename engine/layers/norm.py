@@ -11,7 +11,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.use_kernel = False  # the runner turns on the fused Triton kernel on CUDA
+        self.kernels = "torch"  # torch | triton | cpu: set by the runner with the attention backend
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 and cast back before the weight, as Hugging Face Llama does,
@@ -24,10 +24,14 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if self.use_kernel:
+        if self.kernels == "triton":
             from engine.kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if self.kernels == "cpu":
+            from engine import cpu_ops
+
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -53,13 +53,17 @@ class RotaryEmbedding(nn.Module):
         # A float32 table, indexed by position each step: the same values HF computes on the fly.
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.use_kernel = False  # the runner turns on the in-place Triton kernel on CUDA
+        self.kernels = "torch"  # torch | triton | cpu: set by the runner with the attention backend
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_kernel:
+        if self.kernels == "triton":
             from engine.kernels.rotary import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos, self.sin)
+        if self.kernels == "cpu":
+            from engine import cpu_ops
+
+            return cpu_ops.apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

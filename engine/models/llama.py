@@ -94,14 +94,18 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.use_kernel = False  # the runner turns on the fused Triton kernel on CUDA
+        self.kernels = "torch"  # torch | triton | cpu: set by the runner with the attention backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.use_kernel:
+        if self.kernels == "triton":
             from engine.kernels.activation import silu_and_mul as fused
 
             return self.down_proj(fused(gate_up))
+        if self.kernels == "cpu":
+            from engine import cpu_ops
+
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(gate_up))
 
 
