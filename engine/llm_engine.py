@@ -78,8 +78,9 @@ class LLMEngine:
                 "lower max_model_len or give the cache more memory"
             )
         log.info(
-            "loaded %s (%s, %s on %s): %d KV blocks of %d tokens = %d tokens in the cache, max_model_len %d",
-            model_dir, type(self.runner.model).__name__, config.dtype, config.device,
+            "loaded %s (%s, %s on %s, %s attention): %d KV blocks of %d tokens = %d tokens in the cache, "
+            "max_model_len %d",
+            model_dir, type(self.runner.model).__name__, config.dtype, config.device, self.runner.attention_backend,
             num_blocks, config.block_size, capacity, self.max_model_len,
         )
         self.runner.capture_cuda_graphs(self.max_model_len)
