@@ -272,7 +272,10 @@ def test_chat_logprobs(client):
     stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8,
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # The second request reuses the first one's prompt blocks (prefix cache), so its tail is computed in a
+    # matmul of other row counts: the same values up to float32 summation order.
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
 
 
 def test_completions_logprobs_and_echo(client):
