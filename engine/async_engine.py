@@ -86,6 +86,11 @@ class AsyncEngine:
     # ----- life cycle -----
 
     def start(self) -> None:
+        if self.engine.config.device == "cpu":
+            # The model was loaded on this thread; from now on the engine thread computes alone.
+            from engine.cpu_ops import release_openmp_threads
+
+            release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 

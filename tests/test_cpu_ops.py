@@ -191,3 +191,12 @@ def test_without_a_compiler_the_cpu_falls_back_to_torch(tmp_path):
     available, auto, forced = json.loads(run.stdout.strip().splitlines()[-1])
     assert (available, auto) == (False, "torch")
     assert "C compiler" in forced
+
+
+def test_openmp_threads_released_and_rebuilt_on_demand():
+    """The server's main thread gives its OpenMP workers back before the engine thread computes; a parallel
+    operator afterwards (on any thread) still runs and gets the right answer."""
+    a = torch.randn(300, 400, generator=gen(9))
+    expected = a @ a.T
+    assert cpu_ops.release_openmp_threads()
+    torch.testing.assert_close(a @ a.T, expected)
