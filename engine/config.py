@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.paged_attention import BACKENDS
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -56,9 +58,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.attention_backend not in ("auto", "torch", "triton", "flash_attn", "cpu"):
+        if self.attention_backend not in ("auto", *BACKENDS):
             raise ValueError(
-                f"attention_backend must be auto, torch, triton, flash_attn or cpu, got {self.attention_backend!r}"
+                f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {self.attention_backend!r}"
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")

@@ -133,11 +133,6 @@ def _fn(name: str, dtype: torch.dtype):
     return _FUNCTIONS[name, dtype]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    """The address of a contiguous CPU tensor (the callers' tensors are the CPU engine's own)."""
-    return None if t is None else t.data_ptr()
-
-
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x [T, heads, D] whose token rows may be spaced out (a column slice of a fused projection), as
     (x, the element stride between token rows); copied only when a row itself is not contiguous."""
@@ -151,8 +146,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Write k/v [T, KVH, D] into the cache rows of slot_mapping [T] int64 (negative slots skipped)."""
     (k, k_stride), (v, v_stride) = _rows(k), _rows(v)
-    _fn("store_kv", k.dtype)(k.data_ptr(), k_stride, v.data_ptr(), v_stride, _ptr(k_cache), _ptr(v_cache),
-                             _ptr(slot_mapping), k.shape[0], k.shape[1] * k.shape[2])
+    slot_mapping = slot_mapping.long()  # the kernel reads int64 (a no-op for the engine's own)
+    _fn("store_kv", k.dtype)(k.data_ptr(), k_stride, v.data_ptr(), v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+                             slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -163,9 +159,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     query_start [S + 1] and seq_lens [S] are int32 (as in AttentionMetadata); block_tables [S, max_blocks]."""
     q = q.contiguous()
     _fn("paged_attention", q.dtype)(
-        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0), _ptr(query_start),
-        _ptr(seq_lens), _ptr(seqs), seqs.numel(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        scale, _ptr(out),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        query_start.data_ptr(), seq_lens.data_ptr(), seqs.data_ptr(), seqs.numel(), q.shape[1], k_cache.shape[2],
+        q.shape[2], k_cache.shape[1], scale, out.data_ptr(),
     )
 
 
@@ -176,13 +172,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     hidden = x.shape[-1]
     if residual is None:
-        _FUNCTIONS["add_rms_norm", x.dtype](x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None,
-                                            x.numel() // hidden, hidden, eps)
+        _fn("add_rms_norm", x.dtype)(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None,
+                                     x.numel() // hidden, hidden, eps)
         return out
     residual = residual.contiguous()
     summed = torch.empty_like(x)
-    _FUNCTIONS["add_rms_norm", x.dtype](x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                        summed.data_ptr(), x.numel() // hidden, hidden, eps)
+    _fn("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                 summed.data_ptr(), x.numel() // hidden, hidden, eps)
     return out, summed
 
 
@@ -191,8 +187,10 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
     """Rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions [T] int64, into new contiguous tensors."""
     (q, q_stride), (k, k_stride) = _rows(q), _rows(k)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    _fn("rotary", q.dtype)(_ptr(positions), q.data_ptr(), q_stride, k.data_ptr(), k_stride, _ptr(q_out),
-                           _ptr(k_out), _ptr(cos), _ptr(sin), q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+    positions = positions.long()  # the kernel reads int64 (a no-op for the engine's own)
+    _fn("rotary", q.dtype)(positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride, q_out.data_ptr(),
+                           k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[1], k.shape[1],
+                           q.shape[2])
     return q_out, k_out
 
 
@@ -201,5 +199,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-    _fn("silu_and_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), gate_up.numel() // (2 * inter), inter)
+    _fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
     return out

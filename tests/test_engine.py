@@ -215,3 +215,16 @@ def test_async_scheduling_defaults_to_on_for_cuda_only():
     assert EngineConfig(device="cuda").async_scheduling is True
     assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
     assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+
+
+def test_the_cli_offers_every_attention_backend():
+    """server/cli.py spells the choices out (it imports no torch to print --help): they must stay the engine's."""
+    from engine.config import EngineConfig
+    from engine.paged_attention import BACKENDS
+    from server.cli import build_parser
+
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
+        EngineConfig(attention_backend="tpu")
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                 if a.dest == "attention_backend")
+    assert list(serve.choices) == ["auto", *BACKENDS]
