@@ -305,14 +305,9 @@ def mode_workload(args) -> None:
     import engine.kernels.attention as engine_attention
     from engine import SamplingParams
 
-    if args.name == "w1":
-        model, prompts, outs = LLAMA_8B, w1_prompts(), [256] * 64
-    else:
-        model = QWEN3_06B
-        prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
+    model, prompts, outs = _workload(args.name)
     t0 = time.perf_counter()
-    engine_kw = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                   ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    engine_kw = _engine_kw(args)
     llm = _llm(model, args.backend, args.eager, **engine_kw)
     load_s = time.perf_counter() - t0
     warm = [p[:32] for p in prompts[:8]]
@@ -422,11 +417,7 @@ def mode_profile(args) -> None:
 
     from engine import SamplingParams
 
-    if args.name == "w1":
-        model, prompts, outs = LLAMA_8B, w1_prompts(), [256] * 64
-    else:
-        model = QWEN3_06B
-        prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
+    model, prompts, outs = _workload(args.name)
     llm = _llm(model, args.backend, args.eager)
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, outs)):
@@ -435,6 +426,8 @@ def mode_profile(args) -> None:
     profiler = cProfile.Profile()
     walls, step = [], 0
     first, last = (20, 120) if args.name == "w1" else (100, 400)
+    if args.trace_at is not None:  # trace other steps (e.g. 0: the first prompt-heavy steps)
+        first, last = 0, args.trace_at
     while engine.has_unfinished_requests():
         if step == first:
             profiler.enable()
@@ -464,10 +457,135 @@ def mode_profile(args) -> None:
                 "traced_steps_wall_ms": traced_wall * 1e3, "traced_steps_device_ms": device_us / 1e3})
 
 
+def _workload(name: str):
+    if name == "w1":
+        return LLAMA_8B, w1_prompts(), [256] * 64
+    prompts, outs = ranged_workload(256, 100, 1024, 151936, 0)
+    return QWEN3_06B, prompts, outs
+
+
+def _engine_kw(args) -> dict:
+    return {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                              ("max_num_batched_tokens", args.max_num_batched_tokens),
+                              ("max_prefill_graph_tokens", args.max_prefill_graph_tokens)) if v is not None}
+
+
+def mode_timeline(args) -> None:
+    """Where a workload's wall time goes, step by step: steps that carry prompt tokens, and pure
+    decode steps by batch size. With async scheduling a step() call returns the step launched by
+    the call before, so its wall time is that step's device time once the GPU is the bottleneck."""
+    from engine import SamplingParams
+
+    model, prompts, outs = _workload(args.name)
+    llm = _llm(model, args.backend, args.eager, **_engine_kw(args))
+    engine = llm.engine
+    for i, (p, n) in enumerate(zip(prompts, outs)):
+        engine.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                                      output_kind="final_only"))
+    rows = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        st = engine.last_step
+        rows.append((time.perf_counter() - t0, st.num_batched_tokens, st.num_prefill_tokens,
+                     st.num_generated_tokens))
+    total = time.perf_counter() - start
+    buckets: dict[str, list] = {}
+    for wall, batched, prefill, generated in rows:
+        if prefill:
+            key = "prefill"
+        else:
+            key = next(f"decode<={b}" for b in (1, 8, 32, 64, 128, 256, 1 << 30) if batched <= b)
+        buckets.setdefault(key, []).append((wall, batched, prefill, generated))
+    summary = {k: {"steps": len(v), "wall_s": sum(r[0] for r in v), "step_ms_median": statistics.median(r[0] for r in v) * 1e3,
+                   "tokens": sum(r[1] for r in v), "prefill_tokens": sum(r[2] for r in v),
+                   "generated": sum(r[3] for r in v)} for k, v in sorted(buckets.items())}
+    for k, v in summary.items():
+        print(f"{k:14s} {v['steps']:6d} steps {v['wall_s']:7.3f} s  median {v['step_ms_median']:7.2f} ms  "
+              f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d}")
+    emit(args, {"mode": "timeline", "engine_kw": _engine_kw(args), "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
+                "async_scheduling": ASYNC, "total_s": total, "steps": len(rows), "buckets": summary})
+
+
+def mode_ttft(args) -> None:
+    """Time to first token of one 512-token prompt on an idle engine (Llama-3-8B shape): the engine's
+    share of the online sweep's TTFT at one user, and a profile of that first step."""
+    from engine import SamplingParams
+
+    llm = _llm(LLAMA_8B, args.backend, args.eager, **_engine_kw(args))
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def first_token(i: int) -> float:
+        prompt = _fixed_prompts(1, 512, seed=1000 + i)[0]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.add_request(f"ttft{i}", prompt, params)
+        while not any(o.outputs[0].token_ids for o in engine.step() if o.request_id == f"ttft{i}"):
+            pass
+        elapsed = time.perf_counter() - t0
+        engine.abort_request(f"ttft{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    import cProfile
+    import io
+    import pstats
+
+    launches: list[float] = []
+    launch = engine.runner.launch
+
+    def timed_launch(*a, **kw):  # the host's share of a step: schedule-to-enqueued
+        t0 = time.perf_counter()
+        out = launch(*a, **kw)
+        launches.append(time.perf_counter() - t0)
+        return out
+
+    engine.runner.launch = timed_launch
+    for i in range(3):
+        first_token(i)
+    launches.clear()
+    times = [first_token(10 + i) for i in range(10)]
+    launch_ms = sorted(t * 1e3 for t in launches)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    first_token(50)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
+    # A launch that waits for the device somewhere (a blocking copy, a sync) takes as long as the
+    # work queued before it: enqueue ~50 ms of sleep, then time the launches of a prefill and a decode.
+    busy = {}
+    engine.add_request("busy", _fixed_prompts(1, 512, seed=77)[0], params)
+    for kind in ("prefill", "decode"):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        launches.clear()
+        engine.step()
+        busy[kind] = round(launches[0] * 1e3, 2)
+    engine.abort_request("busy")
+    while engine.has_unfinished_requests():
+        engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        traced = first_token(99)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    emit(args, {"mode": "ttft", "engine_kw": _engine_kw(args), "backend": args.backend, "cuda_graphs": not args.eager, "async_scheduling": ASYNC,
+                "prompt_tokens": 512, "ttft_ms_median": statistics.median(times) * 1e3,
+                "ttft_ms": [round(t * 1e3, 2) for t in times], "traced_wall_ms": traced * 1e3,
+                "launch_ms_sorted": [round(t, 2) for t in launch_ms], "launch_ms_behind_50ms_sleep": busy,
+                "traced_device_ms": device_us / 1e3})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "prefill-tune", "greedy", "workload",
-                                         "transformers", "roofline", "profile"])
+                                         "transformers", "roofline", "profile", "timeline", "ttft"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -479,6 +597,8 @@ def main() -> None:
                         help="prefill kernel BLOCK_M,BLOCK_N,num_warps for every call (workload mode)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
+    parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -497,7 +617,8 @@ def main() -> None:
         m, n, warps = (int(x) for x in args.prefill_tiles.split(","))
         engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
     {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
-     "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile}[args.mode](args)
+     "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile,
+     "timeline": mode_timeline, "ttft": mode_ttft}[args.mode](args)
 
 
 if __name__ == "__main__":

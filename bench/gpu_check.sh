@@ -13,10 +13,13 @@ for step in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "cuda or kernel or triton" 2>&1 | tee $OUT/pytest-cuda.log | tail -5 ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
-             tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool" \
+             tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or piecewise" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
     profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} ${PROFILE_ARGS:-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
              tail -1 $OUT/gpu_check.jsonl ;;
+    timeline-w1|timeline-w2) python3 bench/gpu_check.py timeline ${step#timeline-} ;;
+    ttft-pgt*) python3 bench/gpu_check.py ttft --max-prefill-graph-tokens ${step##*-pgt} ;;
+    w1-pgt*|w2-pgt*) python3 bench/gpu_check.py workload ${step%%-*} --backend triton --max-prefill-graph-tokens ${step##*-pgt} ;;
     w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;

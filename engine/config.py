@@ -37,8 +37,10 @@ class EngineConfig:
     queue_timeout: float | None = None  # seconds a request may wait unscheduled before it fails ("timeout")
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption_mode="swap")
     attention_backend: str = "auto"  # auto | torch | triton | flash_attn | cpu (auto: triton on CUDA, cpu on the CPU)
-    enforce_eager: bool = False  # no CUDA graphs for decode batches
+    enforce_eager: bool = False  # no CUDA graphs
     max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
+    # Steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA graphs (0: never).
+    max_prefill_graph_tokens: int = 1024
     # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
     # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.
     async_scheduling: bool | None = None
@@ -64,6 +66,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError("max_prefill_graph_tokens must be 0 (no graphs) or more")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.layers.linear import can_prepack, prepack_linears
 from engine.loader import load_model
 from engine.paged_attention import AttentionMetadata, select_backend
+from engine.piecewise_graphs import PrefillGraphs
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -76,6 +77,7 @@ class ModelRunner:
         if can_prepack(self.dtype, self.device):
             prepack_linears(self.model)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ----- KV cache -----
 
@@ -221,11 +223,15 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture the decode graphs, when the device and backend allow them and they are not turned off."""
+        """Capture the decode graphs and the piecewise prompt-step graphs, when the device and backend
+        allow them and they are not turned off."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.attention_backend == "torch":
             return
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
+        max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
+        if max_tokens >= 16:
+            self.prefill_graphs = PrefillGraphs(self, max_tokens)
 
     def execute(self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]) -> SampledTokens:
         """Run one forward over `scheduled` and sample (see `launch`), waiting for the tokens."""
@@ -257,10 +263,13 @@ class ModelRunner:
                 logits = logits[self._upload(np.asarray(rows))]
         else:
             meta = self._metadata(num_new, positions, tables)
-            input_ids = self._upload(np.asarray(token_ids))
-            if fill is not None:
-                input_ids[fill[0]] = fill[1]
-            hidden = self.model(input_ids, self._upload(positions), meta)
+            if self.prefill_graphs is not None and self.prefill_graphs.fits(len(token_ids)):
+                hidden = self.prefill_graphs.run(token_ids, positions, meta, fill)
+            else:
+                input_ids = self._upload(np.asarray(token_ids))
+                if fill is not None:
+                    input_ids[fill[0]] = fill[1]
+                hidden = self.model(input_ids, self._upload(positions), meta)
             logits = self.model.compute_logits(hidden[self._upload(ends[rows] - 1)]) if sampling else None
         if not sampling:
             return LaunchedStep([], None, [None] * 4, None)

@@ -117,28 +117,37 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = "torch"  # set by the runner (select_backend)
+        # While the runner captures piecewise CUDA graphs (engine/piecewise_graphs.py): called instead of
+        # attending, it ends one graph at this layer's attention and begins the next.
+        self.split = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        if self.backend == "torch":
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            if meta.decode_only:
-                return self._decode(q, meta)
-            return self._prefill(q, k, v, meta)
-        if self.backend == "cpu":
-            return self._cpu(q, k, v, meta)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D] (into `out` when given)."""
+        if self.split is not None:
+            return self.split(self, q, k, v, meta)
+        if self.backend in ("torch", "cpu"):  # no graphs on these: `out` only for a uniform signature
+            result = self._cpu(q, k, v, meta) if self.backend == "cpu" else self._torch(q, k, v, meta)
+            return result if out is None else out.copy_(result)
         from engine.kernels import kv_store
 
         kv_store.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.backend == "flash_attn":
-            return self._flash_attn(q, meta)
+            result = self._flash_attn(q, meta)
+            return result if out is None else out.copy_(result)
         from engine.kernels import attention
 
         if meta.decode_only:
             return attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor,
-                                          self.scale)
+                                          self.scale, out=out)
         return attention.paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
-                                       meta.seq_lens_tensor, self.scale, meta.max_query_len)
+                                       meta.seq_lens_tensor, self.scale, meta.max_query_len, out=out)
+
+    def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return self._decode(q, meta)
+        return self._prefill(q, k, v, meta)
 
     def _flash_attn(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         varlen, vllm_build = flash_attn_module()

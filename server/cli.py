@@ -139,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument(
         "--enforce-eager", action="store_true",
-        help="never replay CUDA graphs for decode batches (slower; for debugging)",
+        help="never replay CUDA graphs (slower; for debugging)",
+    )
+    eng.add_argument(
+        "--max-prefill-graph-tokens", type=int, default=1024,
+        help="steps with prompt tokens, up to this many tokens in all, replay CUDA graphs captured in pieces "
+        "between the attention calls (0: never) (default: %(default)s)",
     )
     eng.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -202,6 +207,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str | None):
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         async_scheduling=args.async_scheduling,
     )
 

@@ -17,6 +17,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
 
 
+def _hf_greedy_on_cuda(model_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0)
+        expected.append(out[0, len(ids):].tolist())
+    return expected
+
+
 BACKENDS = {  # engine kwargs of each CUDA configuration
     "torch": {"attention_backend": "torch"},
     "triton-eager": {"attention_backend": "triton", "enforce_eager": True},
@@ -27,19 +42,10 @@ BACKENDS = {  # engine kwargs of each CUDA configuration
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_architectures_match_transformers_on_cuda(arch, backend, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = tiny_model_dir(arch)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    hf.generation_config.eos_token_id = None
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=64, do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
+    expected = _hf_greedy_on_cuda(model_dir, prompts, 64)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for mode, (kwargs, alone) in MODES.items():
         kwargs = {"num_gpu_blocks_override": 256, **BACKENDS[backend], **kwargs}  # small pool: engines share the GPU
@@ -47,7 +53,30 @@ def test_tiny_architectures_match_transformers_on_cuda(arch, backend, tiny_model
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts] if alone else \
             llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda ({backend}): {mode!r} diverges"
-        assert (llm.engine.runner.graphs is not None) == (backend == "triton-graphs")
+        runner = llm.engine.runner
+        assert (runner.graphs is not None) == (backend == "triton-graphs")
+        # Every prompt step here fits the piecewise graphs (at most 224 tokens): they ran them all.
+        assert (runner.prefill_graphs is not None and runner.prefill_graphs.replays > 0) == (backend == "triton-graphs")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_piecewise_prefill_graphs_and_eager_steps_mixed(arch, tiny_model_dir):
+    """Graphs only up to 64 tokens: prompts of 3..100 tokens with chunks of up to 96 take both paths
+    (and paddings to 16..64), decodes join the prompt steps, and greedy still equals transformers."""
+    model_dir = tiny_model_dir(arch)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 100, 33, 5)]
+    expected = _hf_greedy_on_cuda(model_dir, prompts, 24)
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks_override=256,
+              max_prefill_graph_tokens=64, max_num_batched_tokens=96)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs.sizes == [16, 32, 48, 64]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    alone = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+             for p in prompts]
+    assert [o.outputs[0].token_ids for o in alone] == expected
+    assert graphs.replays >= 5  # the short prompts alone, at least
 
 
 def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():
