@@ -1,0 +1,7 @@
+# Device call 1 (after `vllm_h100.sh stage 1`, `stage 2 && install`; pagoda's server wheels to /tmp/site):
+CONCURRENCY=1,4,16 PYTHONPATH=/root/vb_site:/tmp/site bash bench/online_h2h.sh .h2h/llama3-8b-smoltok $OUT/h2h pagoda vllm
+# Device call 2, a later machine (call2-64users/):
+CONCURRENCY=64,1 PYTHONPATH=/root/vb_site:/tmp/site bash bench/online_h2h.sh .h2h/llama3-8b-smoltok $OUT/h2h pagoda vllm
+# then on the same machine, pagoda alone: without and with the piecewise prompt graphs
+CONCURRENCY=64 PAGODA_ARGS="--max-prefill-graph-tokens 0" PYTHONPATH=/root/vb_site:/tmp/site bash bench/online_h2h.sh .h2h/llama3-8b-smoltok $OUT/a pagoda
+CONCURRENCY=64 PYTHONPATH=/root/vb_site:/tmp/site bash bench/online_h2h.sh .h2h/llama3-8b-smoltok $OUT/b pagoda
