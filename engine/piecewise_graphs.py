@@ -2,7 +2,7 @@
 
 A prompt (or mixed prompt + decode) step launches ~10 kernels per layer from Python; at a few
 hundred tokens the GPU finishes each faster than the host can launch the next, so such a step is
-bound by the host (a 512-token Llama-3-8B prefill: ~13-30 ms of launching for ~12 ms of GPU work).
+bound by the host (a 512-token Llama-3-8B prefill: 13-39 ms of launching for ~12 ms of GPU work).
 Everything but attention depends on the number of tokens alone, so it is captured once per padded
 token count: graph 0 runs the embedding and layer 0 up to its attention, graph i from attention i-1
 to attention i, the last one the final norm. Attention itself depends on the step's sequences
