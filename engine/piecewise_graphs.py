@@ -116,19 +116,12 @@ class PrefillGraphs:
         return num_tokens <= self.sizes[-1]
 
     def _dummy_meta(self, size: int) -> AttentionMetadata:
-        """One sequence of `size` fresh tokens that stores nothing: what the warm-up forward attends with."""
-        device = self.runner.device
-        return AttentionMetadata(
-            slot_mapping=torch.full((size,), -1, dtype=torch.long, device=device),
-            query_start=[0, size],
-            seq_lens=[size],
-            block_tables=torch.zeros(1, 16 * -(-size // (16 * self.runner.block_size)), dtype=torch.int32,
-                                     device=device),
-            seq_lens_tensor=torch.tensor([size], dtype=torch.int32, device=device),
-            query_start_tensor=torch.tensor([0, size], dtype=torch.int32, device=device),
-            max_query_len=size,
-            max_seq_len=size,
-        )
+        """One sequence of `size` fresh tokens in block 0 that stores nothing: what the warm-up forward
+        attends with (the graphs themselves never see it)."""
+        runner = self.runner
+        meta = runner._metadata([size], np.arange(size), [[0] * -(-size // runner.block_size)])
+        meta.slot_mapping.fill_(-1)
+        return meta
 
     @torch.inference_mode()
     def _capture(self, size: int, pool) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import ARCHS
-from tests.test_greedy_equality import MODES, PROMPT_LENGTHS
+from tests.test_greedy_equality import MODES, PROMPT_LENGTHS, hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -18,18 +18,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "configs"
 
 
 def _hf_greedy_on_cuda(model_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    hf.generation_config.eos_token_id = None
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
-    return expected
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls as float32, as pagoda's
+    return hf_greedy(model_dir, prompts, new_tokens, device="cuda")
 
 
 BACKENDS = {  # engine kwargs of each CUDA configuration

@@ -12,18 +12,18 @@ NEW_TOKENS = 64
 PROMPT_LENGTHS = [3, 17, 40, 64, 100]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int, device: str = "cpu") -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     # Like pagoda's ignore_eos: EOS neither stops nor is suppressed.
     model.generation_config.eos_token_id = None
     outs = []
     for ids in prompts:
         with torch.no_grad():
             gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
