@@ -1,4 +1,5 @@
-"""The attention entry point: writes new K/V into the paged cache and attends through block tables.
+"""The attention entry point: prepares q and k (per-head norm, rotary), writes new K/V into the
+paged cache and attends through block tables.
 
 KV cache layout, per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim].
 A token's slot is block_id * block_size + offset, so `cache.view(-1, kv_heads, head_dim)[slot]`
@@ -22,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 
 BACKENDS = ("torch", "triton", "flash_attn", "cpu")
 # On the cpu backend, sequences with at most this many new tokens take the C kernel (one loop per query,
@@ -54,6 +58,24 @@ class AttentionMetadata:
         short = [s for s, n in enumerate(lengths) if n <= CPU_KERNEL_MAX_QUERY]
         long = [s for s, n in enumerate(lengths) if n > CPU_KERNEL_MAX_QUERY]
         return torch.tensor(short, dtype=torch.int32), long
+
+
+@dataclass
+class QKPrep:
+    """What q and k get before attention, in this order: a per-head RMSNorm (Qwen3's q_norm and
+    k_norm; None for the others), then rotary embedding at `positions`. The Triton and
+    FlashAttention backends fuse both into the KV-store kernel (engine/kernels/qkv_store.py);
+    the torch and cpu backends run the modules themselves."""
+
+    positions: torch.Tensor  # [T], on the device
+    rotary: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(self.positions, q, k)
 
 
 @functools.cache
@@ -122,16 +144,21 @@ class Attention(nn.Module):
         self.split = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D] (into `out` when given)."""
+                prep: QKPrep | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D], before `prep` -> [T, H, D] (into `out` when given)."""
         if self.split is not None:
-            return self.split(self, q, k, v, meta)
+            return self.split(self, q, k, v, meta, prep)
         if self.backend in ("torch", "cpu"):  # no graphs on these: `out` only for a uniform signature
+            if prep is not None:
+                q, k = prep.apply(q, k)
             result = self._cpu(q, k, v, meta) if self.backend == "cpu" else self._torch(q, k, v, meta)
             return result if out is None else out.copy_(result)
-        from engine.kernels import kv_store
+        from engine.kernels.qkv_store import prepare_and_store
 
-        kv_store.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        rope = {} if prep is None else dict(positions=prep.positions, cos=prep.rotary.cos, sin=prep.rotary.sin)
+        if prep is not None and prep.q_norm is not None:
+            rope.update(q_norm=prep.q_norm.weight, k_norm=prep.k_norm.weight, eps=prep.q_norm.eps)
+        prepare_and_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, **rope)
         if self.backend == "flash_attn":
             result = self._flash_attn(q, meta)
             return result if out is None else out.copy_(result)

@@ -5,9 +5,10 @@ hundred tokens the GPU finishes each faster than the host can launch the next, s
 bound by the host (a 512-token Llama-3-8B prefill: 13-39 ms of launching for ~12 ms of GPU work).
 Everything but attention depends on the number of tokens alone, so it is captured once per padded
 token count: graph 0 runs the embedding and layer 0 up to its attention, graph i from attention i-1
-to attention i, the last one the final norm. Attention itself depends on the step's sequences
-(their lengths, block tables), so it runs eagerly between the replays, on the real tokens only:
-one graph replay and one attention launch per layer instead of ~10 launches.
+to attention i, the last one the final norm. Attention itself (with the q/k norm, rotary and KV
+store fused before it) depends on the step's sequences (their lengths, slots, block tables), so it
+runs eagerly between the replays, on the real tokens only: one graph replay and two kernel
+launches per layer instead of ~10 launches.
 
 Padded tokens (past the step's real ones, up to the captured size) sit at position 0; attention
 never reads or writes them (the KV store and the attention kernels see only the real tokens), and
@@ -16,6 +17,7 @@ every other op is row-wise, so their garbage stays in their own rows.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.paged_attention import Attention, AttentionMetadata
+from engine.paged_attention import Attention, AttentionMetadata, QKPrep
 
 log = logging.getLogger("pagoda.runner")
 
@@ -39,6 +41,7 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 @dataclass
 class _Pieces:
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # one more than attention layers
+    preps: list[QKPrep | None] = field(default_factory=list)  # each attention call's q/k preparation
     hidden: torch.Tensor | None = None  # the last graph's output: final hidden states
 
 
@@ -70,11 +73,12 @@ class _Recorder:
         self.pieces.graphs.append(self.graph)
         self.graph = torch.cuda.CUDAGraph()
 
-    def __call__(self, attn: Attention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, attn: Attention, q, k, v, meta: AttentionMetadata, prep: QKPrep | None) -> torch.Tensor:
         n, b = q.shape[0], self.buffers
         b.q[:n].copy_(q)
         b.k[:n].copy_(k)
         b.v[:n].copy_(v)
+        self.pieces.preps.append(prep)
         self.end()
         self.begin()
         return b.out[:n]
@@ -170,8 +174,11 @@ class PrefillGraphs:
         pieces = self.pieces[size]
         self.replays += 1
         b = self.buffers
-        for graph, attn in zip(pieces.graphs, self.layers):
+        positions = self.positions[:n]
+        for graph, attn, prep in zip(pieces.graphs, self.layers, pieces.preps):
             graph.replay()
-            attn(b.q[:n], b.k[:n], b.v[:n], meta, out=b.out[:n])
+            # The captured preparation read positions[:size]; the real tokens' are its first n.
+            prep = None if prep is None else dataclasses.replace(prep, positions=positions)
+            attn(b.q[:n], b.k[:n], b.v[:n], meta, prep, out=b.out[:n])
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from engine.kernels.attention import decode_num_splits, paged_decode, paged_prefill
+from engine.kernels.attention import MAX_DECODE_SPLITS, decode_num_splits, paged_decode, paged_prefill
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
 
 CUDA = torch.cuda.is_available()
@@ -128,11 +128,19 @@ def test_decode_zero_length_sequence_gives_zeros(num_splits):
 
 
 def test_decode_num_splits():
-    assert decode_num_splits(1, 8) == 16
+    assert decode_num_splits(1, 8) == 33
+    assert decode_num_splits(1, 2) == MAX_DECODE_SPLITS
     assert decode_num_splits(4, 8) == 9
     assert decode_num_splits(64, 8) == 1
     assert decode_num_splits(256, 2) == 1
-    assert all(1 <= decode_num_splits(s, h) <= 16 for s in range(1, 300, 7) for h in (1, 2, 4, 8))
+    assert all(1 <= decode_num_splits(s, h) <= MAX_DECODE_SPLITS for s in range(1, 300, 7) for h in (1, 2, 4, 8))
+
+
+def test_decode_most_splits():
+    # The largest split count on a short and a long sequence: 63 of 64 splits empty on the first,
+    # 3,000 keys cut into 47 whole tiles on the second.
+    batch = make_batch([4, 3000], [1, 1], 4, 2, 64, 16, torch.float32, seed=7)
+    assert_close(run_decode(batch, MAX_DECODE_SPLITS), reference(**batch), torch.float32)
 
 
 def test_unsupported_head_dim_is_refused():

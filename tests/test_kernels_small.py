@@ -1,4 +1,4 @@
-"""The small Triton kernels (RMSNorm, rotary, KV store, SwiGLU) against their torch references.
+"""The small Triton kernels (RMSNorm, q/k norm + rotary + KV store, SwiGLU) against their torch references.
 
 Without a GPU they run under the Triton interpreter, in float32 and float16 only
 (the interpreter of triton 3.9 gets bfloat16 wrong); bf16 and larger shapes run on CUDA.
@@ -17,9 +17,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from engine.kernels.activation import silu_and_mul
-from engine.kernels.kv_store import store_kv
 from engine.kernels.norm import rms_norm
-from engine.kernels.rotary import apply_rotary
+from engine.kernels.qkv_store import prepare_and_store
 from engine.layers import activation as ref_activation
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -138,24 +137,63 @@ ROPES = {
 }
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("t,hq,hk,d,rope", [(7, 4, 2, 64, "default"), (5, 8, 1, 128, "llama3"), (1, 2, 2, 64, "llama3")])
-def test_rotary_in_place_on_fused_views(dtype, t, hq, hk, d, rope):
-    max_pos = 512
+def _prep_case(t, hq, hk, d, rope, norm, dtype, seed, num_blocks=4, block_size=16, max_pos=512):
+    """Fused q/k/v views, slots, caches and the reference modules for one prepare_and_store call."""
     rotary = RotaryEmbedding(d, max_pos, ROPES[rope]).to(DEV)
-    positions = torch.randint(0, max_pos, (t,), generator=_gen(5)).to(DEV)
-    _, q, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=6)
-    v_before = v.clone()
-    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
-    out_q, out_k = apply_rotary(positions, q, k, rotary.cos, rotary.sin)
-    assert out_q is q and out_k is k
-    assert torch.equal(v, v_before)  # v shares the buffer and must be untouched
-    # Each rounding of the reference is reproduced; float32 may differ by fma contraction.
-    if dtype == torch.float32:
-        _close(q, expected_q, dtype)
-        _close(k, expected_k, dtype)
-    else:
-        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    positions = torch.randint(0, max_pos, (t,), generator=_gen(seed)).to(DEV)
+    qkv, q, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=seed + 1)
+    norms = (_ref_norm(d, dtype, seed + 2), _ref_norm(d, dtype, seed + 3)) if norm else (None, None)
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(seed + 4))[:t].to(DEV)
+    return rotary, positions, qkv, q, k, v, norms, slots, _caches(num_blocks, block_size, hk, d, dtype)
+
+
+def _expected(rotary, positions, q, k, v, norms, slots, caches):
+    """The unfused reference: RMSNorm modules, the torch rotary, the torch store (valid slots)."""
+    with torch.no_grad():
+        exp_q, exp_k = q.clone(), k.clone()
+        if norms[0] is not None:
+            exp_q, exp_k = norms[0](exp_q), norms[1](exp_k)
+        exp_q, exp_k = rotary(positions, exp_q, exp_k)
+    exp_kc, exp_vc = caches[0].clone(), caches[1].clone()
+    valid = slots >= 0
+    ref_store_kv(exp_k[valid], v[valid], exp_kc, exp_vc, slots[valid])
+    return exp_q, exp_kc, exp_vc
+
+
+def _run_prep(rotary, positions, q, k, v, norms, slots, caches):
+    kw = {}
+    if norms[0] is not None:
+        kw = dict(q_norm=norms[0].weight.data, k_norm=norms[1].weight.data, eps=norms[0].eps)
+    prepare_and_store(q, k, v, *caches, slots, positions=positions, cos=rotary.cos, sin=rotary.sin, **kw)
+
+
+def _check_prep(q, caches, expected, dtype, norm):
+    exp_q, exp_kc, exp_vc = expected
+    assert torch.equal(caches[1], exp_vc)
+    if dtype == torch.float32:  # float32 may differ by fma contraction and the sum's order
+        _close(q, exp_q, dtype)
+        _close(caches[0], exp_kc, dtype)
+    elif norm:  # the norm's float32 sum runs in another order: a rare element one ulp off
+        _close(q, exp_q, dtype)
+        _close(caches[0], exp_kc, dtype)
+        _mostly_equal(q, exp_q)
+        _mostly_equal(caches[0], exp_kc)
+    else:  # each rounding of the rotary reference is reproduced
+        assert torch.equal(q, exp_q) and torch.equal(caches[0], exp_kc)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("t,hq,hk,d,rope", [(7, 4, 2, 64, "default"), (5, 8, 1, 128, "llama3"), (1, 2, 2, 64, "llama3")])
+def test_prepare_and_store_matches_norm_rotary_store(dtype, norm, t, hq, hk, d, rope):
+    case = _prep_case(t, hq, hk, d, rope, norm, dtype, seed=5)
+    rotary, positions, qkv, q, k, v, norms, slots, caches = case
+    k_before, v_before = k.clone(), v.clone()
+    expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
+    _run_prep(*case[:2], *case[3:])
+    _check_prep(q, caches, expected, dtype, norm)
+    # k and v are only read: the prepared k goes to the cache, not back into the fused buffer.
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
 # ---------------------------------------------------------------- KV store
@@ -168,32 +206,32 @@ def _caches(num_blocks: int, block_size: int, kvh: int, d: int, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t,hq,hk,d", [(7, 4, 2, 64), (13, 2, 1, 128)])
-def test_store_kv_permuted_slots(dtype, t, hq, hk, d):
+def test_store_only_permuted_slots(dtype, t, hq, hk, d):
+    """Without norms or positions the kernel is a plain KV store and leaves q alone."""
     num_blocks, block_size = 4, 16
     kc, vc = _caches(num_blocks, block_size, hk, d, dtype)
-    _, _, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=9)
+    _, q, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=9)
+    q_before = q.clone()
     slots = torch.randperm(num_blocks * block_size, generator=_gen(10))[:t].to(DEV)
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref_store_kv(k, v, ref_kc, ref_vc, slots)
-    store_kv(k, v, kc, vc, slots)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    prepare_and_store(q, k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc) and torch.equal(q, q_before)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_store_kv_negative_slots_are_skipped(dtype):
-    t, hk, d, block_size = 9, 2, 64, 16
-    kc, vc = _caches(3, block_size, hk, d, dtype)
-    _, _, k, v = _fused_qkv(t, 4, hk, d, dtype, seed=11)
+def test_negative_slots_store_nothing(dtype):
+    t, hk, d = 9, 2, 64
+    case = _prep_case(t, 4, hk, d, "default", True, dtype, seed=11, num_blocks=3)
+    rotary, positions, qkv, q, k, v, norms, _, caches = case
     slots = torch.tensor([5, -1, 40, -1, 17, 0, -1, 47, -1], device=DEV)
-    valid = slots >= 0
-    ref_kc, ref_vc = kc.clone(), vc.clone()
-    ref_store_kv(k[valid], v[valid], ref_kc, ref_vc, slots[valid])
-    store_kv(k, v, kc, vc, slots)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
-    # All padding: nothing changes at all.
-    before_k, before_v = kc.clone(), vc.clone()
-    store_kv(k, v, kc, vc, torch.full((t,), -1, device=DEV))
-    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+    expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
+    _run_prep(rotary, positions, q, k, v, norms, slots, caches)
+    _check_prep(q, caches, expected, dtype, norm=True)
+    # All padding: the cache does not change at all (q is still prepared).
+    before = [c.clone() for c in caches]
+    prepare_and_store(q, k, v, *caches, torch.full((t,), -1, device=DEV))
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
 
 
 # ---------------------------------------------------------------- SwiGLU
@@ -243,35 +281,22 @@ def test_cuda_rms_norm_large(dtype, hidden):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (14, 2, 64), (16, 16, 80)])
-def test_cuda_rotary(dtype, hq, hk, d):
-    t, max_pos = 333, 4096
-    rotary = RotaryEmbedding(d, max_pos, ROPES["llama3"]).to(DEV)
-    positions = torch.randint(0, max_pos, (t,), generator=_gen(16)).to(DEV)
-    _, q, k, _ = _fused_qkv(t, hq, hk, d, dtype, seed=17)
-    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
-    apply_rotary(positions, q, k, rotary.cos, rotary.sin)
-    if dtype == torch.float32:
-        _close(q, expected_q, dtype)
-        _close(k, expected_k, dtype)
-    else:
-        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+def test_cuda_prepare_and_store(dtype, norm, hq, hk, d):
+    t = 333
+    case = _prep_case(t, hq, hk, d, "llama3", norm, dtype, seed=16, num_blocks=64, max_pos=4096)
+    rotary, positions, qkv, q, k, v, norms, slots, caches = case
+    slots[::7] = -1
+    expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
+    _run_prep(rotary, positions, q, k, v, norms, slots, caches)
+    _check_prep(q, caches, expected, dtype, norm)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_store_kv_and_silu(dtype):
-    t, hk, d, num_blocks, block_size = 301, 8, 128, 64, 16
-    kc, vc = _caches(num_blocks, block_size, hk, d, dtype)
-    _, _, k, v = _fused_qkv(t, 32, hk, d, dtype, seed=18)
-    slots = torch.randperm(num_blocks * block_size, generator=_gen(19))[:t].to(DEV)
-    slots[::7] = -1
-    valid = slots >= 0
-    ref_kc, ref_vc = kc.clone(), vc.clone()
-    ref_store_kv(k[valid], v[valid], ref_kc, ref_vc, slots[valid])
-    store_kv(k, v, kc, vc, slots)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
-
+def test_cuda_silu(dtype):
+    t = 301
     x = _randn(t, 2 * 14336, dtype=dtype, seed=20, scale=4.0)
     out = silu_and_mul(x, out=torch.full((t, 14336), float("nan"), dtype=dtype, device=DEV))
     expected = ref_activation.silu_and_mul(x)
@@ -281,7 +306,7 @@ def test_cuda_store_kv_and_silu(dtype):
 
 @needs_cuda
 def test_cuda_graph_capture():
-    """All four kernels capture into one CUDA graph and replay on new inputs."""
+    """All three kernels capture into one CUDA graph and replay on new inputs."""
     dtype, t, hq, hk, d, hidden = torch.bfloat16, 8, 8, 2, 64, 512
     norm = _ref_norm(hidden, dtype, seed=21)
     rotary = RotaryEmbedding(d, 256, ROPES["default"]).to(DEV)
@@ -297,8 +322,7 @@ def test_cuda_graph_capture():
 
     def step():
         normed, _ = rms_norm(x, norm.weight.data, norm.eps, residual=res)
-        apply_rotary(positions, q, k, rotary.cos, rotary.sin)
-        store_kv(k, v, kc, vc, slots)
+        prepare_and_store(q, k, v, kc, vc, slots, positions=positions, cos=rotary.cos, sin=rotary.sin)
         return normed, silu_and_mul(gate_up)
 
     step()  # compile outside the capture
@@ -323,7 +347,7 @@ def test_cuda_graph_capture():
     _close(normed_out, exp_normed, dtype)
     q0, k0, v0 = (p.view(t, -1, d) for p in qkv0.split([hq * d, hk * d, hk * d], dim=-1))
     exp_q, exp_k = rotary(positions, q0, k0)
-    assert torch.equal(q, exp_q) and torch.equal(k, exp_k)
+    assert torch.equal(q, exp_q)
     exp_kc, exp_vc = torch.zeros_like(kc), torch.zeros_like(vc)
     valid = slots >= 0
     ref_store_kv(exp_k[valid], v0[valid], exp_kc, exp_vc, slots[valid])

@@ -14,7 +14,7 @@ from torch import nn
 from engine.layers.activation import silu_and_mul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.paged_attention import Attention, AttentionMetadata
+from engine.paged_attention import Attention, AttentionMetadata, QKPrep
 
 
 @dataclass
@@ -82,10 +82,8 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.q_size // self.head_dim, self.head_dim)
         k = k.view(-1, self.kv_size // self.head_dim, self.head_dim)
         v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        # The norms and rotary run inside the attention call, fused with the KV store on the GPU.
+        out = self.attn(q, k, v, meta, QKPrep(positions, self.rotary, self.q_norm, self.k_norm))
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
