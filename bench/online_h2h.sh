@@ -12,7 +12,8 @@
 # Environment: CONCURRENCY (default 1,4,16,64), PROMPTS_PER_USER (4), INPUT_LEN (512), OUTPUT_LEN (256),
 # LOAD_FORMAT (dummy), PAGODA_ARGS, VLLM_ARGS (extra flags), VLLM_PYTHON (a python that imports vllm;
 # default python3), SERVER_WAIT (seconds to wait for /health, default 600).
-# Writes OUT_DIR/latency-<server>.json (one entry per concurrency), OUT_DIR/<server>.log and
+# Writes OUT_DIR/latency-<server>.json (one entry per concurrency), OUT_DIR/<server>.log,
+# OUT_DIR/metrics-<server>.txt (its /metrics after the sweep) and
 # OUT_DIR/latency-h2h.png (both curves).
 set -uo pipefail
 
@@ -69,6 +70,8 @@ for server in $SERVERS; do
     --sweep-concurrency "$CONCURRENCY" --num-prompts 8 --prompts-per-concurrency "${PROMPTS_PER_USER:-4}" \
     --num-warmups 2 \
     --result-file "$OUT/latency-$server.json" --disable-tqdm 2>&1 | tail -40
+  # The server's own view (queue time, TTFT and prefill histograms), for explaining a gap.
+  curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics-$server.txt"
   kill $pid; wait $pid 2>/dev/null
 done
 files=$(ls "$OUT"/latency-*.json 2>/dev/null | grep -v h2h)

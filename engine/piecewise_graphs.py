@@ -108,10 +108,15 @@ class PrefillGraphs:
         self.replays = 0  # steps run through the graphs (tests read it)
         self.pieces: dict[int, _Pieces] = {}
         pool = torch.cuda.graph_pool_handle()
+        # One side stream for every capture: cuBLAS keeps a workspace per stream, allocated in the
+        # graphs' pool on first use and never freed, so a stream per size cost ~64 MiB a size.
+        self.capture_stream = torch.cuda.Stream(device)
+        torch.cuda.empty_cache()  # so that the logged growth is the graphs' pool, not cached eager blocks
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._capture(size, pool)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         log.info("captured piecewise prefill CUDA graphs for %d sizes (%d..%d tokens, %d pieces each) in %.1f s, "
                  "using %.2f GiB", len(self.sizes), self.sizes[0], self.sizes[-1], len(self.pieces[max_tokens].graphs),
                  time.perf_counter() - start, (torch.cuda.memory_reserved(device) - reserved) / 2**30)
@@ -136,7 +141,7 @@ class PrefillGraphs:
         pieces = _Pieces()
         recorder = _Recorder(pieces, self.buffers, pool)
         layers = self.layers
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         collecting = gc.isenabled()
         gc.disable()  # see DecodeGraphs._capture
