@@ -315,15 +315,49 @@ def mode_workload(args) -> None:
     llm.engine.block_manager.reset_prefix_cache()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     torch.cuda.synchronize()
+    before = _allocator_counts()
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    allocator = {k: v - before[k] for k, v in _allocator_counts().items()}
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
                 "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
                 "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
                 "prefill_overrides": engine_attention.PREFILL_OVERRIDES, "engine_kw": engine_kw,
-                "output_tok_s": tokens / elapsed, "load_s": load_s})
+                "output_tok_s": tokens / elapsed, "load_s": load_s, "allocator": allocator})
+
+
+def _allocator_counts() -> dict:
+    """cudaMalloc / cudaFree calls and out-of-memory retries of the caching allocator so far: a
+    cudaFree (or a retry, which frees cached blocks) synchronizes the device inside a step."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
+def mode_gemms(args) -> None:
+    """The decode steps' linear layers (W1: Llama-3-8B at 64 rows; W2: Qwen3-0.6B at 256 and 64
+    rows) under each BLAS library torch can pick, graph timed, against the bytes they must read."""
+    hbm, _ = measure_peaks()
+    shapes = {"w1": (64, [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]),
+              "w2": (256, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]),
+              "w2-64": (64, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)])}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (m, layers) in shapes.items():
+        for k, n in layers:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
+            # Several weight copies in rotation, so that no repeat finds the weight in L2.
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=gen) for _ in range(4)]
+            row = {"mode": "gemm", "workload": name, "m": m, "k": k, "n": n}
+            for lib in ("default", "cublas", "cublaslt"):
+                if lib != "default":
+                    torch.backends.cuda.preferred_blas_library(lib)
+                t = graph_time(lambda: [torch.nn.functional.linear(x, w) for w in ws])
+                row[f"{lib}_us"] = t / len(ws) * 1e6 if t is not None else None
+                row[f"{lib}_tb_s"] = (n * k * 2) / (t / len(ws)) / 1e12 if t is not None else None
+            torch.backends.cuda.preferred_blas_library("default")
+            row["bound_us"] = n * k * 2 / hbm * 1e6
+            emit(args, row)
 
 
 def mode_transformers(args) -> None:
@@ -467,7 +501,8 @@ def _workload(name: str):
 def _engine_kw(args) -> dict:
     return {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                               ("max_num_batched_tokens", args.max_num_batched_tokens),
-                              ("max_prefill_graph_tokens", args.max_prefill_graph_tokens)) if v is not None}
+                              ("max_prefill_graph_tokens", args.max_prefill_graph_tokens),
+                              ("gpu_memory_utilization", args.gpu_memory_utilization)) if v is not None}
 
 
 def mode_timeline(args) -> None:
@@ -484,6 +519,7 @@ def mode_timeline(args) -> None:
                                                       output_kind="final_only"))
     rows = []
     torch.cuda.synchronize()
+    before = _allocator_counts()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -506,7 +542,8 @@ def mode_timeline(args) -> None:
         print(f"{k:14s} {v['steps']:6d} steps {v['wall_s']:7.3f} s  median {v['step_ms_median']:7.2f} ms  "
               f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d}")
     emit(args, {"mode": "timeline", "engine_kw": _engine_kw(args), "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
-                "async_scheduling": ASYNC, "total_s": total, "steps": len(rows), "buckets": summary})
+                "async_scheduling": ASYNC, "total_s": total, "steps": len(rows), "buckets": summary,
+                "allocator": {k: v - before[k] for k, v in _allocator_counts().items()}})
 
 
 def mode_ttft(args) -> None:
@@ -585,7 +622,7 @@ def mode_ttft(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "prefill-tune", "greedy", "workload",
-                                         "transformers", "roofline", "profile", "timeline", "ttft"])
+                                         "transformers", "roofline", "profile", "timeline", "ttft", "gemms"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -598,6 +635,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -618,7 +656,7 @@ def main() -> None:
         engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
     {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile,
-     "timeline": mode_timeline, "ttft": mode_ttft}[args.mode](args)
+     "timeline": mode_timeline, "ttft": mode_ttft, "gemms": mode_gemms}[args.mode](args)
 
 
 if __name__ == "__main__":
