@@ -70,7 +70,7 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
                 f"least max_model_len ({self.max_model_len})"
             )
-        num_blocks = self.runner.allocate_kv_cache()
+        num_blocks = self.runner.allocate_kv_cache(self.max_model_len)
         capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:
             raise RuntimeError(

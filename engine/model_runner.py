@@ -88,29 +88,35 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
-    def allocate_kv_cache(self) -> int:
+    def allocate_kv_cache(self, max_model_len: int) -> int:
         """Size the block pool from the memory budget, allocate it, bind it to the layers."""
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            num_blocks = self._blocks_that_fit_on_gpu()
+            num_blocks = self._blocks_that_fit_on_gpu(max_model_len)
         else:
             num_blocks = self.config.cpu_kv_cache_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or raise the budget")
-        mc = self.model.config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((attn.k_cache, attn.v_cache))
+        self.kv_caches = self._bind_cache(num_blocks)
         self.num_blocks = num_blocks
         return num_blocks
 
-    def _blocks_that_fit_on_gpu(self) -> int:
+    def _bind_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """New zeroed K/V caches of `num_blocks` blocks bound to every attention layer (0: unbind)."""
+        mc = self.model.config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device) if num_blocks else torch.empty(0)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device) if num_blocks else torch.empty(0)
+            caches.append((attn.k_cache, attn.v_cache))
+        return caches
+
+    def _blocks_that_fit_on_gpu(self, max_model_len: int) -> int:
         """gpu_memory_utilization of the card, minus what is in use now (weights), minus the
-        activation peak of a forward at max_num_batched_tokens measured by running one."""
+        activation peak of a forward at max_num_batched_tokens measured by running one, minus
+        what the CUDA graphs will hold, measured by capturing them once."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
@@ -121,11 +127,38 @@ class ModelRunner:
         used_elsewhere = total - free_before - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak
         torch.cuda.empty_cache()
+        graphs = self._graph_memory(max_model_len)
         log.info(
-            "memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB",
-            total / 2**30, baseline / 2**30, (peak - baseline) / 2**30,
+            "memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, CUDA graphs %.2f GiB",
+            total / 2**30, baseline / 2**30, (peak - baseline) / 2**30, graphs / 2**30,
         )
-        return int(budget // self.bytes_per_block)
+        return int((budget - graphs) // self.bytes_per_block)
+
+    def _graph_memory(self, max_model_len: int) -> int:
+        """Bytes the CUDA graphs will hold (their memory pools and static buffers), found by capturing
+        them once against a one-block cache and releasing them. The graphs keep the address of the
+        cache they were captured with, so the real capture has to come after the real cache."""
+        if not self._graphs_enabled():
+            return 0
+        self._bind_cache(1)  # the captures store nothing (slot -1) and read only block 0
+        before = torch.cuda.memory_reserved(self.device)
+        level = log.level
+        log.setLevel(logging.WARNING)  # the capture is logged once, when it is done for real
+        try:
+            self.capture_cuda_graphs(max_model_len)
+        finally:
+            log.setLevel(level)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        used = torch.cuda.memory_reserved(self.device) - before
+        self.graphs = self.prefill_graphs = None
+        self._bind_cache(0)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return max(0, used)
+
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.attention_backend != "torch"
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
@@ -225,7 +258,7 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture the decode graphs and the piecewise prompt-step graphs, when the device and backend
         allow them and they are not turned off."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.attention_backend == "torch":
+        if not self._graphs_enabled():
             return
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)

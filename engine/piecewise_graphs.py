@@ -31,6 +31,19 @@ from engine.paged_attention import Attention, AttentionMetadata, QKPrep
 log = logging.getLogger("pagoda.runner")
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture, as torch.cuda.graph does: cuBLAS keeps a
+    workspace per stream, allocated in the graphs' pool on first use and never freed, so a stream
+    per captured size cost ~64 MiB a size (and one per PrefillGraphs, a workspace per start-up
+    capture; the runner captures twice, once to measure)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """Captured token counts: every 16 to 64, every 32 to 256, then every 64; a step pads up to
     the next one (at most 1/4 more rows above 256 tokens, where the matmuls start to cost)."""
@@ -108,9 +121,7 @@ class PrefillGraphs:
         self.replays = 0  # steps run through the graphs (tests read it)
         self.pieces: dict[int, _Pieces] = {}
         pool = torch.cuda.graph_pool_handle()
-        # One side stream for every capture: cuBLAS keeps a workspace per stream, allocated in the
-        # graphs' pool on first use and never freed, so a stream per size cost ~64 MiB a size.
-        self.capture_stream = torch.cuda.Stream(device)
+        self.capture_stream = _capture_stream(device)
         torch.cuda.empty_cache()  # so that the logged growth is the graphs' pool, not cached eager blocks
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
