@@ -27,18 +27,30 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile(acc, m_i, l_i, q, rows, k_desc, v_desc, begin, start, col, qk_scale,
+          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold keys start..start+BLOCK_N-1 of the sequence beginning at row `begin` into the state."""
+    k = k_desc.load([begin + start, col])
+    s = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        cols = start + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([begin + start, col])
+    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None]), m_new, l_i
+
+
+@triton.jit
 def _fresh_prefill_kernel(
     q_desc, k_desc, v_desc, out_ptr, query_start_ptr, qk_scale, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEADS_FIRST: tl.constexpr = False,
 ):
-    if HEADS_FIRST:  # the heads of one query tile run side by side: its K/V tiles shared in L2
-        head = tl.program_id(0)
-        tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
-        head = tl.program_id(2)
-    seq = tl.program_id(1) if not HEADS_FIRST else tl.program_id(2)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
     kvh = head // GROUP
     begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - begin
@@ -54,35 +66,18 @@ def _fresh_prefill_kernel(
     full_end = first // BLOCK_N * BLOCK_N
     end = tl.minimum(first + BLOCK_M, q_len)
     for start in range(0, full_end, BLOCK_N):
-        k = k_desc.load([begin + start, kvh * HEAD_DIM])
-        s = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([begin + start, kvh * HEAD_DIM])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, rows, k_desc, v_desc, begin, start, kvh * HEAD_DIM, qk_scale,
+                              BLOCK_N, False)
     for start in range(full_end, end, BLOCK_N):
-        k = k_desc.load([begin + start, kvh * HEAD_DIM])
-        s = tl.dot(q, tl.trans(k))
-        cols = start + tl.arange(0, BLOCK_N)
-        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([begin + start, kvh * HEAD_DIM])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, rows, k_desc, v_desc, begin, start, kvh * HEAD_DIM, qk_scale,
+                              BLOCK_N, True)
     acc = acc / l_i[:, None]
     d = tl.arange(0, HEAD_DIM)
     offs = (begin + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
 
 
-def fresh_prefill(q, k, v, query_start, max_q, scale, block_m=128, block_n=64, num_warps=8, num_stages=3,
-                  heads_first=False):
+def fresh_prefill(q, k, v, query_start, max_q, scale, block_m=128, block_n=64, num_warps=8, num_stages=3):
     """q [T, H, D], k/v [T, KVH, D] (rows contiguous in D; any row stride), whole prompts."""
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -90,10 +85,9 @@ def fresh_prefill(q, k, v, query_start, max_q, scale, block_m=128, block_n=64, n
     q_desc = TensorDescriptor(q, [t, h * d], [q.stride(0), 1], [block_m, d])
     k_desc = TensorDescriptor(k, [t, kvh * d], [k.stride(0), 1], [block_n, d])
     v_desc = TensorDescriptor(v, [t, kvh * d], [v.stride(0), 1], [block_n, d])
-    tiles, seqs = triton.cdiv(max_q, block_m), query_start.shape[0] - 1
-    grid = (h, tiles, seqs) if heads_first else (tiles, seqs, h)
+    grid = (triton.cdiv(max_q, block_m), query_start.shape[0] - 1, h)
     _fresh_prefill_kernel[grid](q_desc, k_desc, v_desc, out, query_start, scale * _LOG2E, out.stride(0), out.stride(1),
-                                GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, HEADS_FIRST=heads_first,
+                                GROUP=h // kvh, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
                                 num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -124,9 +118,9 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.check:
-        for lens, h, kvh, d, bm, bn, hf in (([5, 40, 17], 8, 2, 64, 32, 16, False), ([33], 4, 4, 64, 16, 16, True)):
+        for lens, h, kvh, d, bm, bn in (([5, 40, 17], 8, 2, 64, 32, 16), ([33], 4, 4, 64, 16, 16)):
             q, k, v, cu = _inputs(lens, h, kvh, d, torch.float32 if device == "cpu" else torch.bfloat16, device)
-            out = fresh_prefill(q, k, v, cu, max(lens), d**-0.5, bm, bn, 4, 2, hf)
+            out = fresh_prefill(q, k, v, cu, max(lens), d**-0.5, bm, bn, 4, 2)
             ref = _reference(q, k, v, lens, d**-0.5)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             print("check", lens, h, kvh, d, "rel err", err)
@@ -137,8 +131,8 @@ def main() -> None:
     from engine.kernels.attention import paged_prefill
 
     h, kvh, d, bs = 32, 8, 128, 16
-    configs = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (64, 128, 4, 3, True),
-               (128, 128, 8, 3, True), (128, 128, 8, 4, True), (128, 64, 8, 3, True)]
+    # The first calls also tried heads side by side in the grid (the "h" keys of the results): 10-20% slower.
+    configs = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)]
     for num_seqs, ctx in ((32, 512), (8, 2048), (2, 8192), (1, 32768)):
         lens = [ctx] * num_seqs
         q, k, v, cu = _inputs(lens, h, kvh, d, torch.bfloat16, "cuda")
@@ -149,11 +143,11 @@ def main() -> None:
         seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
         paged_s = cuda_time(lambda: paged_prefill(q, k_cache, v_cache, tables, cu, seq_lens, d**-0.5, ctx), iters=10)
         row = {"num_seqs": num_seqs, "context": ctx, "paged_tflops": flops / paged_s / 1e12}
-        for bm, bn, warps, stages, hf in configs:
-            key = f"{bm}x{bn}w{warps}s{stages}" + ("h" if hf else "")
+        for bm, bn, warps, stages in configs:
+            key = f"{bm}x{bn}w{warps}s{stages}"
             try:
-                out = fresh_prefill(q, k, v, cu, ctx, d**-0.5, bm, bn, warps, stages, hf)
-                s = cuda_time(lambda: fresh_prefill(q, k, v, cu, ctx, d**-0.5, bm, bn, warps, stages, hf), iters=10)
+                out = fresh_prefill(q, k, v, cu, ctx, d**-0.5, bm, bn, warps, stages)
+                s = cuda_time(lambda: fresh_prefill(q, k, v, cu, ctx, d**-0.5, bm, bn, warps, stages), iters=10)
             except Exception as exc:  # e.g. out of shared memory
                 row[key] = repr(exc)[:120]
                 continue

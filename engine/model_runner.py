@@ -169,11 +169,7 @@ class ModelRunner:
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         blocks_per_seq = -(-max(lens) // self.block_size)
-        mc = self.model.config
-        shape = (blocks_per_seq * num_seqs, self.block_size, mc.num_kv_heads, mc.head_dim)
-        for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._bind_cache(blocks_per_seq * num_seqs)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = np.concatenate([np.arange(n) for n in lens])
@@ -184,8 +180,7 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                 frequency_penalty=0.5, logprobs=MAX_LOGPROBS)
         self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = torch.empty(0)
+        self._bind_cache(0)
         torch.cuda.synchronize(self.device)
 
     # ----- one step -----

@@ -67,7 +67,7 @@ class QKPrep:
     FlashAttention backends fuse both into the KV-store kernel (engine/kernels/qkv_store.py);
     the torch and cpu backends run the modules themselves."""
 
-    positions: torch.Tensor  # [T], on the device
+    positions: torch.Tensor  # [T] on the device (a piecewise graph's is its captured size: the kernel reads T)
     rotary: RotaryEmbedding
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None

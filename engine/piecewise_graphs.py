@@ -17,7 +17,6 @@ every other op is row-wise, so their garbage stays in their own rows.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import time
@@ -190,11 +189,9 @@ class PrefillGraphs:
         pieces = self.pieces[size]
         self.replays += 1
         b = self.buffers
-        positions = self.positions[:n]
         for graph, attn, prep in zip(pieces.graphs, self.layers, pieces.preps):
             graph.replay()
-            # The captured preparation read positions[:size]; the real tokens' are its first n.
-            prep = None if prep is None else dataclasses.replace(prep, positions=positions)
+            # prep holds positions[:size] of the static buffer: the kernel reads the real tokens' first n.
             attn(b.q[:n], b.k[:n], b.v[:n], meta, prep, out=b.out[:n])
         pieces.graphs[-1].replay()
         return pieces.hidden[:n]

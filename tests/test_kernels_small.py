@@ -196,6 +196,17 @@ def test_prepare_and_store_matches_norm_rotary_store(dtype, norm, t, hq, hk, d, 
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_prepare_and_store_reads_the_first_t_positions(dtype):
+    """A piecewise graph hands its whole captured positions buffer: only the first T entries count."""
+    case = _prep_case(6, 4, 2, 64, "default", True, dtype, seed=31)
+    rotary, positions, qkv, q, k, v, norms, slots, caches = case
+    expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
+    longer = torch.cat([positions, torch.full((10,), 500, device=DEV)])
+    _run_prep(rotary, longer, q, k, v, norms, slots, caches)
+    _check_prep(q, caches, expected, dtype, norm=True)
+
+
 # ---------------------------------------------------------------- KV store
 
 

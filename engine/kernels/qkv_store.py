@@ -122,7 +122,8 @@ def prepare_and_store(
     """q [T, H, D], k and v [T, KVH, D] (any strides, e.g. views of a fused qkv output).
 
     With q_norm / k_norm weights [D]: RMSNorm over each head of q and of k first (eps). With
-    positions [T] and the float32 tables cos / sin [max_positions, D/2]: rotary at those positions.
+    positions (their first T entries; a captured buffer may be longer) and the float32 tables
+    cos / sin [max_positions, D/2]: rotary at those positions.
     q is rewritten in place; k (so prepared) and v are written into k_cache / v_cache
     [num_blocks, block_size, KVH, D] at the flat slots `slot_mapping` [T] (block * block_size +
     offset); tokens whose slot is negative store nothing. k and v themselves are left as they are.
@@ -134,7 +135,7 @@ def prepare_and_store(
     assert head_dim % 2 == 0 and (q_norm is None) == (k_norm is None)
     rotary = positions is not None
     if rotary:
-        assert positions.shape == (t,) and cos.shape[1] == head_dim // 2
+        assert positions.dim() == 1 and positions.shape[0] >= t and cos.shape[1] == head_dim // 2
         assert cos.stride() == sin.stride() and cos.stride(1) == 1
     if t == 0:
         return
