@@ -135,7 +135,7 @@ def _flash_peer():
 
 
 def mode_kernels(args) -> None:
-    from engine.kernels.attention import paged_decode, paged_prefill
+    from engine.kernels.attention import paged_decode, paged_prefill, prefill_fresh
 
     hbm, mm = measure_peaks()
     peer, peer_name = _flash_peer()
@@ -178,16 +178,22 @@ def mode_kernels(args) -> None:
         ours = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx)
         own_s = cuda_time(lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx), iters=10)
         flops = 4 * num_seqs * h * d * ctx * (ctx + 1) / 2  # causal: QK^T and PV over the lower triangle
+        # The fresh-prompt kernel reads the step's own k/v: the same keys, laid out contiguously.
+        k_new, v_new = (c[tables.long()].reshape(num_seqs * ctx, kvh, d) for c in (k_cache, v_cache))
+        fresh = prefill_fresh(q, k_new, v_new, cu_q, scale, ctx)
+        fresh_s = cuda_time(lambda: prefill_fresh(q, k_new, v_new, cu_q, scale, ctx), iters=10)
         row = {"mode": "kernel", "kernel": "prefill", "num_seqs": num_seqs, "context": ctx, "heads": h,
                "kv_heads": kvh, "head_dim": d, "block_size": bs, "own_us": own_s * 1e6,
-               "own_tflops": flops / own_s / 1e12, "own_matmul_fraction": flops / own_s / mm}
+               "own_tflops": flops / own_s / 1e12, "own_matmul_fraction": flops / own_s / mm,
+               "fresh_us": fresh_s * 1e6, "fresh_tflops": flops / fresh_s / 1e12,
+               "fresh_vs_paged_diff": ((fresh.float() - ours.float()).abs().max() / ours.float().abs().max()).item()}
         if peer is not None:
             kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=ctx, seqused_k=seq_lens,
                       max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
             theirs = peer(**kw)
             peer_s = cuda_time(lambda: peer(**kw), iters=10)
             row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_tflops=flops / peer_s / 1e12,
-                       own_over_peer=own_s / peer_s,
+                       own_over_peer=own_s / peer_s, fresh_over_peer=fresh_s / peer_s,
                        rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
         emit(args, row)
 
@@ -304,6 +310,7 @@ def mode_greedy(args) -> None:
 def mode_workload(args) -> None:
     import engine.kernels.attention as engine_attention
     from engine import SamplingParams
+    from engine.kernels import compiled_variants
 
     model, prompts, outs = _workload(args.name)
     t0 = time.perf_counter()
@@ -315,17 +322,20 @@ def mode_workload(args) -> None:
     llm.engine.block_manager.reset_prefix_cache()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     torch.cuda.synchronize()
-    before = _allocator_counts()
+    # A kernel variant compiled while the workload is timed is seconds the start-up should have taken.
+    before, variants_before = _allocator_counts(), compiled_variants()
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     allocator = {k: v - before[k] for k, v in _allocator_counts().items()}
+    compiled = {k: n - variants_before.get(k, 0) for k, n in compiled_variants().items() if n != variants_before.get(k, 0)}
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
                 "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
                 "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
                 "prefill_overrides": engine_attention.PREFILL_OVERRIDES, "engine_kw": engine_kw,
-                "output_tok_s": tokens / elapsed, "load_s": load_s, "allocator": allocator})
+                "output_tok_s": tokens / elapsed, "load_s": load_s, "allocator": allocator,
+                "compiled_during_run": compiled})
 
 
 def _allocator_counts() -> dict:

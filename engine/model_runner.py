@@ -90,6 +90,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, max_model_len: int) -> int:
         """Size the block pool from the memory budget, allocate it, bind it to the layers."""
+        if self.device.type == "cuda" and self.attention_backend != "torch":
+            self._compile_kernels()
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -168,20 +170,36 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
-        blocks_per_seq = -(-max(lens) // self.block_size)
-        self._bind_cache(blocks_per_seq * num_seqs)
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = np.concatenate([np.arange(n) for n in lens])
-        meta = self._metadata(lens, positions, tables)
-        hidden = self.model(input_ids, self._upload(positions), meta)
+        hidden = self._dummy_forward(lens)
         logits = self.model.compute_logits(hidden[: num_seqs])
         # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                 frequency_penalty=0.5, logprobs=MAX_LOGPROBS)
         self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
-        self._bind_cache(0)
         torch.cuda.synchronize(self.device)
+
+    def _compile_kernels(self) -> None:
+        """Compile, before serving, the Triton variants real steps will need: a kernel is compiled
+        per divisibility by 16 of its integer arguments, token counts among them (the row count of
+        prefill_fresh's TMA descriptors), and the paged prefill kernel runs only in steps where some
+        sequence has cached context. Either met first in the middle of serving stalls that step for
+        seconds. The decode kernel and the rest of a decode step compile in the graph captures."""
+        for lens, cached in (([9, 8], 0), ([9, 8], 16), ([8, 8], 16)):
+            self._dummy_forward(lens, cached)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _dummy_forward(self, lens: list[int], cached: int = 0) -> torch.Tensor:
+        """An eager forward over dummy prompts of `lens` new tokens after `cached` tokens of (zero)
+        context each, against a throwaway cache."""
+        blocks_per_seq = -(-(cached + max(lens)) // self.block_size)
+        self._bind_cache(blocks_per_seq * len(lens))
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
+        input_ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
+        positions = np.concatenate([np.arange(cached, cached + n) for n in lens])
+        hidden = self.model(input_ids, self._upload(positions), self._metadata(lens, positions, tables))
+        self._bind_cache(0)
+        return hidden
 
     # ----- one step -----
 
@@ -205,6 +223,7 @@ class ModelRunner:
             query_start_tensor=self._upload(query_start),
             max_query_len=max(num_new),
             max_seq_len=int(seq_lens.max()),
+            fresh=bool((seq_lens == np.diff(query_start)).all()),
         )
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:

@@ -45,6 +45,7 @@ class AttentionMetadata:
     query_start_tensor: torch.Tensor  # [S + 1] int32, on device
     max_query_len: int
     max_seq_len: int
+    fresh: bool = False  # every sequence is a whole prompt with nothing cached before this step
 
     @property
     def decode_only(self) -> bool:
@@ -167,6 +168,8 @@ class Attention(nn.Module):
         if meta.decode_only:
             return attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor,
                                           self.scale, out=out)
+        if meta.fresh and attention.fresh_prefill_fits(q, k, v):  # k was prepared in place above
+            return attention.prefill_fresh(q, k, v, meta.query_start_tensor, self.scale, meta.max_query_len, out=out)
         return attention.paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
                                        meta.seq_lens_tensor, self.scale, meta.max_query_len, out=out)
 

@@ -85,3 +85,35 @@ def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+_NO_COMPILE_SCRIPT = """
+import json, sys, torch
+from engine import LLM, SamplingParams
+from engine.kernels import compiled_variants
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", load_format="dummy", num_gpu_blocks_override=1024,
+          max_model_len=2048, max_num_batched_tokens=512, max_prefill_graph_tokens=64)
+before = compiled_variants()
+gen = torch.Generator().manual_seed(3)
+prompts = [torch.randint(100, 150000, (n,), generator=gen).tolist() for n in (5, 17, 300, 1000, 64, 33, 700, 2)]
+params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+llm.generate(prompts, params, use_tqdm=False)
+llm.generate([prompts[3][:500] + [7] * 37], params, use_tqdm=False)  # a prefix-cache hit: cached context
+after = compiled_variants()
+print(json.dumps({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}))
+"""
+
+
+def test_no_triton_kernel_compiles_after_start_up():
+    """Serving steps of every kind (fresh prompts of odd and even token counts, chunked prompts,
+    prompt steps beside decodes, a prefix-cache hit, graph and eager steps) compile nothing: the
+    start-up did it. A fresh process, so that no earlier test compiled a variant for it."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", _NO_COMPILE_SCRIPT, str(CONFIGS / "qwen3-0.6b")], cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {}

@@ -17,7 +17,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-from engine.kernels.attention import MAX_DECODE_SPLITS, decode_num_splits, paged_decode, paged_prefill
+from engine.kernels.attention import (
+    MAX_DECODE_SPLITS,
+    decode_num_splits,
+    fresh_prefill_fits,
+    paged_decode,
+    paged_prefill,
+    prefill_fresh,
+)
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
 
 CUDA = torch.cuda.is_available()
@@ -84,6 +91,52 @@ def test_prefill_long_prompt_many_tiles():
     # G = 8 leaves 8 queries per tile: 64 queries span 8 tiles and the causal diagonal.
     batch = make_batch([0], [64], 8, 1, 64, 16, torch.float16, seed=2)
     assert_close(run_prefill(batch, 64), reference(**batch), torch.float16)
+
+
+def _fresh_kv(batch, fused_with_q=True):
+    """The step's own k and v [T, KVH, D] for a batch of whole prompts: the cache rows the
+    reference reads, laid out as views of one fused q|k|v buffer as the model makes them."""
+    k_cache, v_cache, table = batch["k_cache"], batch["v_cache"], batch["block_tables"]
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    ks, vs = [], []
+    for s, n in enumerate(batch["seq_lens"].tolist()):
+        pos = torch.arange(n, device=k_cache.device)
+        slots = table[s, pos // block_size].long() * block_size + pos % block_size
+        ks.append(k_cache.reshape(-1, kv_heads, head_dim)[slots])
+        vs.append(v_cache.reshape(-1, kv_heads, head_dim)[slots])
+    k, v = torch.cat(ks), torch.cat(vs)
+    if not fused_with_q:
+        return batch["q"], k, v
+    t, heads = batch["q"].shape[:2]
+    fused = torch.cat([batch["q"].reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,lens",
+    [
+        (torch.float32, 8, 2, 64, [5, 70, 17]),  # ragged: tiles cross into the next prompt's rows
+        (torch.float16, 4, 1, 128, [130]),  # several query tiles, the last one partial
+        (torch.float32, 4, 4, 64, [1, 64, 3]),
+    ],
+)
+def test_prefill_fresh_matches_reference(dtype, heads, kv_heads, head_dim, lens):
+    batch = make_batch([0] * len(lens), lens, heads, kv_heads, head_dim, 16, dtype, seed=9)
+    q, k, v = _fresh_kv(batch)
+    assert fresh_prefill_fits(q, k, v)
+    out = poisoned_like(q)
+    assert prefill_fresh(q, k, v, batch["query_start"], batch["scale"], max(lens), out=out) is out
+    assert_close(out, reference(**batch), dtype)
+
+
+def test_fresh_prefill_fits_only_descriptor_friendly_views():
+    batch = make_batch([0], [8], 2, 2, 96, 16, torch.float32, seed=10)
+    assert not fresh_prefill_fits(*_fresh_kv(batch))  # head dim not a power of two
+    batch = make_batch([0], [8], 2, 2, 64, 16, torch.float32, seed=10)
+    q, k, v = _fresh_kv(batch, fused_with_q=False)
+    assert fresh_prefill_fits(q, k, v)
+    assert not fresh_prefill_fits(q[:, :, :32], k[:, :, :32], v[:, :, :32])  # rows not contiguous in D
 
 
 def test_prefill_strided_q():

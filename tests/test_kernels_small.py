@@ -157,7 +157,7 @@ def _expected(rotary, positions, q, k, v, norms, slots, caches):
     exp_kc, exp_vc = caches[0].clone(), caches[1].clone()
     valid = slots >= 0
     ref_store_kv(exp_k[valid], v[valid], exp_kc, exp_vc, slots[valid])
-    return exp_q, exp_kc, exp_vc
+    return exp_q, exp_k, exp_kc, exp_vc
 
 
 def _run_prep(rotary, positions, q, k, v, norms, slots, caches):
@@ -167,19 +167,19 @@ def _run_prep(rotary, positions, q, k, v, norms, slots, caches):
     prepare_and_store(q, k, v, *caches, slots, positions=positions, cos=rotary.cos, sin=rotary.sin, **kw)
 
 
-def _check_prep(q, caches, expected, dtype, norm):
-    exp_q, exp_kc, exp_vc = expected
+def _check_prep(q, k, caches, expected, dtype, norm):
+    exp_q, exp_k, exp_kc, exp_vc = expected
     assert torch.equal(caches[1], exp_vc)
+    pairs = [(q, exp_q), (k, exp_k), (caches[0], exp_kc)]
     if dtype == torch.float32:  # float32 may differ by fma contraction and the sum's order
-        _close(q, exp_q, dtype)
-        _close(caches[0], exp_kc, dtype)
+        for out, ref in pairs:
+            _close(out, ref, dtype)
     elif norm:  # the norm's float32 sum runs in another order: a rare element one ulp off
-        _close(q, exp_q, dtype)
-        _close(caches[0], exp_kc, dtype)
-        _mostly_equal(q, exp_q)
-        _mostly_equal(caches[0], exp_kc)
+        for out, ref in pairs:
+            _close(out, ref, dtype)
+            _mostly_equal(out, ref)
     else:  # each rounding of the rotary reference is reproduced
-        assert torch.equal(q, exp_q) and torch.equal(caches[0], exp_kc)
+        assert all(torch.equal(out, ref) for out, ref in pairs)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -188,12 +188,11 @@ def _check_prep(q, caches, expected, dtype, norm):
 def test_prepare_and_store_matches_norm_rotary_store(dtype, norm, t, hq, hk, d, rope):
     case = _prep_case(t, hq, hk, d, rope, norm, dtype, seed=5)
     rotary, positions, qkv, q, k, v, norms, slots, caches = case
-    k_before, v_before = k.clone(), v.clone()
+    v_before = v.clone()
     expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
     _run_prep(*case[:2], *case[3:])
-    _check_prep(q, caches, expected, dtype, norm)
-    # k and v are only read: the prepared k goes to the cache, not back into the fused buffer.
-    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+    _check_prep(q, k, caches, expected, dtype, norm)
+    assert torch.equal(v, v_before)  # v is only read
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -204,7 +203,7 @@ def test_prepare_and_store_reads_the_first_t_positions(dtype):
     expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
     longer = torch.cat([positions, torch.full((10,), 500, device=DEV)])
     _run_prep(rotary, longer, q, k, v, norms, slots, caches)
-    _check_prep(q, caches, expected, dtype, norm=True)
+    _check_prep(q, k, caches, expected, dtype, norm=True)
 
 
 # ---------------------------------------------------------------- KV store
@@ -218,16 +217,17 @@ def _caches(num_blocks: int, block_size: int, kvh: int, d: int, dtype: torch.dty
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t,hq,hk,d", [(7, 4, 2, 64), (13, 2, 1, 128)])
 def test_store_only_permuted_slots(dtype, t, hq, hk, d):
-    """Without norms or positions the kernel is a plain KV store and leaves q alone."""
+    """Without norms or positions the kernel is a plain KV store and leaves q and k as they are."""
     num_blocks, block_size = 4, 16
     kc, vc = _caches(num_blocks, block_size, hk, d, dtype)
     _, q, k, v = _fused_qkv(t, hq, hk, d, dtype, seed=9)
-    q_before = q.clone()
+    q_before, ref_k_before = q.clone(), k.clone()
     slots = torch.randperm(num_blocks * block_size, generator=_gen(10))[:t].to(DEV)
     ref_kc, ref_vc = kc.clone(), vc.clone()
     ref_store_kv(k, v, ref_kc, ref_vc, slots)
     prepare_and_store(q, k, v, kc, vc, slots)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc) and torch.equal(q, q_before)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    assert torch.equal(q, q_before) and torch.equal(k, ref_k_before)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -238,7 +238,7 @@ def test_negative_slots_store_nothing(dtype):
     slots = torch.tensor([5, -1, 40, -1, 17, 0, -1, 47, -1], device=DEV)
     expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
     _run_prep(rotary, positions, q, k, v, norms, slots, caches)
-    _check_prep(q, caches, expected, dtype, norm=True)
+    _check_prep(q, k, caches, expected, dtype, norm=True)
     # All padding: the cache does not change at all (q is still prepared).
     before = [c.clone() for c in caches]
     prepare_and_store(q, k, v, *caches, torch.full((t,), -1, device=DEV))
@@ -301,7 +301,7 @@ def test_cuda_prepare_and_store(dtype, norm, hq, hk, d):
     slots[::7] = -1
     expected = _expected(rotary, positions, q, k, v, norms, slots, caches)
     _run_prep(rotary, positions, q, k, v, norms, slots, caches)
-    _check_prep(q, caches, expected, dtype, norm)
+    _check_prep(q, k, caches, expected, dtype, norm)
 
 
 @needs_cuda
@@ -358,7 +358,7 @@ def test_cuda_graph_capture():
     _close(normed_out, exp_normed, dtype)
     q0, k0, v0 = (p.view(t, -1, d) for p in qkv0.split([hq * d, hk * d, hk * d], dim=-1))
     exp_q, exp_k = rotary(positions, q0, k0)
-    assert torch.equal(q, exp_q)
+    assert torch.equal(q, exp_q) and torch.equal(k, exp_k)
     exp_kc, exp_vc = torch.zeros_like(kc), torch.zeros_like(vc)
     valid = slots >= 0
     ref_store_kv(exp_k[valid], v0[valid], exp_kc, exp_vc, slots[valid])

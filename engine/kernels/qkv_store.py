@@ -1,6 +1,6 @@
 """What attention needs done to q, k and v first, in one Triton kernel: Qwen3's per-head RMSNorm
 of q and k, rotary embedding (rotate-half layout) of both, and the scatter of k and v into the
-paged cache. One program per token; q is rewritten in place, k and v go to the cache only.
+paged cache. One program per token; q and k are rewritten in place, k and v go to the cache.
 
 Separately these were four launches a layer (three for Llama); in a decode step each is a few
 microseconds of mostly launch gap, and in an eager prompt step each costs the host a Triton launch.
@@ -94,6 +94,9 @@ def _qkv_store_kernel(
     p1, p2, mask = _halves(k_ptr + t * k_st, k_sh, k_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     k1, k2 = _prepare(tl.load(p1, mask=mask, other=0.0).to(tl.float32), tl.load(p2, mask=mask, other=0.0).to(tl.float32),
                       kw_ptr, eps, cos, sin, half, dtype, NORM, ROTARY)
+    # Back in place too: a prompt with nothing cached attends to the step's own k (paged_prefill_fresh).
+    tl.store(p1, k1, mask=mask)
+    tl.store(p2, k2, mask=mask)
     c1, c2, _ = _halves(kc_ptr + block * kc_sb + offset * kc_so, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     cache_dtype: tl.constexpr = kc_ptr.dtype.element_ty
     tl.store(c1, k1.to(cache_dtype), mask=mask & valid)
@@ -124,9 +127,9 @@ def prepare_and_store(
     With q_norm / k_norm weights [D]: RMSNorm over each head of q and of k first (eps). With
     positions (their first T entries; a captured buffer may be longer) and the float32 tables
     cos / sin [max_positions, D/2]: rotary at those positions.
-    q is rewritten in place; k (so prepared) and v are written into k_cache / v_cache
+    q and k are rewritten in place; k (so prepared) and v are written into k_cache / v_cache
     [num_blocks, block_size, KVH, D] at the flat slots `slot_mapping` [T] (block * block_size +
-    offset); tokens whose slot is negative store nothing. k and v themselves are left as they are.
+    offset); tokens whose slot is negative store nothing (their q and k are still prepared).
     """
     t, heads, head_dim = q.shape
     kv_heads = k.shape[1]
