@@ -95,6 +95,12 @@ def test_triton_backend_matches_transformers(arch, tiny_model_dir):
             assert llm.engine.scheduler.num_preemptions["recompute"] > 0
         else:
             assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        if mode == "batch":
+            # Again, alone: its first two blocks come from the prefix cache, so this prompt step
+            # has cached context (the paged kernel) where the first had none (prefill_fresh).
+            hits = llm.engine.block_manager.prefix_hit_tokens
+            again = llm.generate([prompts[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert llm.engine.block_manager.prefix_hit_tokens - hits == 32 and again == expected[3]
 
 
 CHAT_PROMPTS = [
