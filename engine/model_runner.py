@@ -179,13 +179,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _compile_kernels(self) -> None:
-        """Compile, before serving, the Triton variants real steps will need: a kernel is compiled
-        per divisibility by 16 of its integer arguments, token counts among them (the row count of
-        prefill_fresh's TMA descriptors), and the paged prefill kernel runs only in steps where some
-        sequence has cached context. Either met first in the middle of serving stalls that step for
-        seconds. The decode kernel and the rest of a decode step compile in the graph captures."""
-        for lens, cached in (([9, 8], 0), ([9, 8], 16), ([8, 8], 16)):
-            self._dummy_forward(lens, cached)
+        """Compile, before serving, the attention kernels a prompt step can take: prefill_fresh (whole
+        prompts) and the paged prefill kernel (prompts after cached context; it also serves prompts
+        beside decodes). Triton compiles a kernel the first time a step calls it, seconds of stall
+        in the middle of serving. Token counts select no variant (strides and the block-table
+        width do, and are fixed); the decode kernels compile in the graph captures."""
+        for cached in (0, 16):
+            self._dummy_forward([9, 8], cached)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

@@ -7,7 +7,9 @@ import sys
 
 def compiled_variants() -> dict[str, int]:
     """How many variants of each of the engine's Triton kernels this process has compiled (or
-    loaded from Triton's disk cache) so far, by `module.kernel` name."""
+    loaded from Triton's disk cache) so far, by `module.kernel` name. It reads each JITFunction's
+    per-device kernel cache (`device_caches`, Triton 3.x's own bookkeeping, not a public API): a
+    diagnostic for benchmarks and tests, not used while serving."""
     import triton
 
     counts = {}

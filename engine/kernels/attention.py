@@ -357,7 +357,7 @@ def prefill_fresh(
 
     The keys come through TMA tensor descriptors, so the copy engine computes their addresses;
     the paged kernel gathers them through the block table. On an H100 at 32 x 512 .. 1 x 32k
-    tokens: 229-512 TFLOP/s against 160-407 (WRITEUP.md). Needs fresh_prefill_fits(q, k, v).
+    tokens: 235-489 TFLOP/s against 187-401 (WRITEUP.md). Needs fresh_prefill_fits(q, k, v).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -366,7 +366,7 @@ def prefill_fresh(
     kv_heads = k.shape[1]
     if t == 0:
         return out
-    # 64 x 64 tiles, 4 warps, 3 stages: best of 10 settings at the four shapes above.
+    # 64 x 64 tiles, 4 warps, 3 stages: the best of 12 settings at the four shapes above (WRITEUP.md).
     block_m, block_n = 64, 64
     q_desc = TensorDescriptor(q, [t, heads * head_dim], [q.stride(0), 1], [block_m, head_dim])
     k_desc = TensorDescriptor(k, [t, kv_heads * head_dim], [k.stride(0), 1], [block_n, head_dim])

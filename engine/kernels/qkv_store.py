@@ -94,7 +94,7 @@ def _qkv_store_kernel(
     p1, p2, mask = _halves(k_ptr + t * k_st, k_sh, k_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     k1, k2 = _prepare(tl.load(p1, mask=mask, other=0.0).to(tl.float32), tl.load(p2, mask=mask, other=0.0).to(tl.float32),
                       kw_ptr, eps, cos, sin, half, dtype, NORM, ROTARY)
-    # Back in place too: a prompt with nothing cached attends to the step's own k (paged_prefill_fresh).
+    # Back in place too: a prompt with nothing cached attends to the step's own k (prefill_fresh).
     tl.store(p1, k1, mask=mask)
     tl.store(p2, k2, mask=mask)
     c1, c2, _ = _halves(kc_ptr + block * kc_sb + offset * kc_so, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
