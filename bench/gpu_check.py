@@ -6,11 +6,13 @@
     python bench/gpu_check.py workload w1 --backend triton [--eager]   # W1 / W2 output tok/s
     python bench/gpu_check.py transformers               # W1 with transformers generate (the baseline)
     python bench/gpu_check.py roofline                   # decode step at batch 1/16/64 (ctx 1k), prefill 8k tokens
+    python bench/gpu_check.py long-prompt                # TTFT of 4k-32k prompts: flash-attn-4 vs own kernels
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
 (prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set).
 The FlashAttention peer is the build vLLM ships (vllm.vllm_flash_attn, FA3 on Hopper) or the
-flash-attn package, whichever imports.
+flash-attn package, whichever imports; `kernels` adds flash-attn-4 (flash_attn.cute, carried by
+bench/fa4_h100.sh) as a second peer when it imports.
 """
 
 from __future__ import annotations
@@ -134,11 +136,30 @@ def _flash_peer():
     return varlen, f"flash_attn {flash_attn.__version__}"
 
 
+def _fa4_peer():
+    """flash-attn-4's varlen attention (CuTe DSL, its own Hopper forward) as (call, name), or (None, None)."""
+    try:
+        import flash_attn.cute as fa4
+    except ImportError:
+        return None, None
+
+    def call(**kw) -> torch.Tensor:
+        out = fa4.flash_attn_varlen_func(**kw)
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
+
+    return call, f"flash-attn-4 {fa4.__version__}"
+
+
+def _rel_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+
+
 def mode_kernels(args) -> None:
     from engine.kernels.attention import paged_decode, paged_prefill, prefill_fresh
 
     hbm, mm = measure_peaks()
     peer, peer_name = _flash_peer()
+    fa4, fa4_name = _fa4_peer()
     h, kvh, d, bs = 32, 8, 128, 16  # Llama-3-8B attention: GQA 4:1, head dim 128
     scale = d**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -166,8 +187,15 @@ def mode_kernels(args) -> None:
                 peer_eager_s = cuda_time(lambda: peer(**kw))
                 peer_s = graph_time(lambda: peer(**kw)) or peer_eager_s
                 row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_eager_us=peer_eager_s * 1e6,
-                           own_over_peer=own_s / peer_s,
-                           rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
+                           own_over_peer=own_s / peer_s, rel_diff=_rel_diff(ours, theirs))
+            if fa4 is not None:  # the same paged cache through its page table (no split-KV on Hopper)
+                cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
+                          page_table=tables, softmax_scale=scale, causal=True)
+                theirs = fa4(**kw)
+                fa4_s = graph_time(lambda: fa4(**kw)) or cuda_time(lambda: fa4(**kw))
+                row.update(fa4=fa4_name, fa4_us=fa4_s * 1e6, own_over_fa4=own_s / fa4_s,
+                           fa4_rel_diff=_rel_diff(ours, theirs))
             emit(args, row)
     for ctx in (512, 2048, 8192, 32768):
         num_seqs = max(1, 16384 // ctx)  # about 16k new tokens per call, whole prompts (pure prefill)
@@ -193,8 +221,20 @@ def mode_kernels(args) -> None:
             theirs = peer(**kw)
             peer_s = cuda_time(lambda: peer(**kw), iters=10)
             row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_tflops=flops / peer_s / 1e12,
-                       own_over_peer=own_s / peer_s, fresh_over_peer=fresh_s / peer_s,
-                       rel_diff=((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item())
+                       own_over_peer=own_s / peer_s, fresh_over_peer=fresh_s / peer_s, rel_diff=_rel_diff(ours, theirs))
+        if fa4 is not None:  # through the paged cache, and from the step's own contiguous k/v as prefill_fresh
+            kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=ctx, seqused_k=seq_lens,
+                      page_table=tables, softmax_scale=scale, causal=True)
+            paged_theirs = fa4(**kw)
+            fa4_paged_s = cuda_time(lambda: fa4(**kw), iters=10)
+            kw = dict(q=q, k=k_new, v=v_new, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=ctx,
+                      max_seqlen_k=ctx, softmax_scale=scale, causal=True)
+            theirs = fa4(**kw)
+            fa4_s = cuda_time(lambda: fa4(**kw), iters=10)
+            row.update(fa4=fa4_name, fa4_us=fa4_s * 1e6, fa4_tflops=flops / fa4_s / 1e12,
+                       fa4_paged_us=fa4_paged_s * 1e6, fa4_paged_tflops=flops / fa4_paged_s / 1e12,
+                       fresh_over_fa4=fresh_s / fa4_s, own_over_fa4_paged=own_s / fa4_paged_s,
+                       fa4_rel_diff=_rel_diff(fresh, theirs), fa4_paged_rel_diff=_rel_diff(ours, paged_theirs))
         emit(args, row)
 
 
@@ -452,6 +492,47 @@ def mode_roofline(args) -> None:
                 "tflops": flops / step_s / 1e12, "matmul_fraction": flops / step_s / mm})
 
 
+def mode_long_prompt(args) -> None:
+    """Time to the first token of one long prompt (Llama-3-8B shape), its attention through
+    flash-attn-4 or through pagoda's kernels, alternating in one engine (the route toggled on its
+    layers). Whole prompts in one step (a step budget of the longest), then a 32k prompt in
+    8,192-token chunks (the chunks after the first read cached context through the block tables)."""
+    import shutil
+    import tempfile
+
+    from engine import SamplingParams
+
+    # Llama-3-8B's config stops at 8,192 positions; Llama-3.1-8B is the same shape with 131,072.
+    model = Path(tempfile.mkdtemp()) / "llama3-8b-long"
+    shutil.copytree(LLAMA_8B, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 131072
+    (model / "config.json").write_text(json.dumps(config))
+    for budget, lengths in ((32768, (4096, 8192, 16384, 32768)), (8192, (32768,))):
+        llm = _llm(str(model), args.backend, True, max_num_batched_tokens=budget, max_model_len=32768 + 64)
+        runner = llm.engine.runner
+        if not runner.fa4_min_tokens:
+            print("flash-attn-4 does not import here: nothing to compare")
+            return
+        layers = list(runner.model.attention_layers())
+        for n in lengths:
+            for rep in range(3):
+                for route in ("fa4", "own"):
+                    for attn in layers:
+                        attn.fa4_min_tokens = runner.fa4_min_tokens if route == "fa4" else 0
+                    prompt = _fixed_prompts(1, n, seed=10_000 * rep + n + (route == "fa4"))[0]
+                    llm.engine.add_request(f"{route}-{n}-{rep}-{budget}", prompt,
+                                           SamplingParams(temperature=0.0, max_tokens=1))
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    while llm.engine.has_unfinished_requests():
+                        llm.engine.step()
+                    emit(args, {"mode": "long_prompt", "route": route, "prompt_tokens": n, "step_budget": budget,
+                                "rep": rep, "ttft_ms": (time.perf_counter() - t0) * 1e3})
+        del llm, runner, layers
+        torch.cuda.empty_cache()
+
+
 def mode_profile(args) -> None:
     """Where a step's time goes: W2 (or W1), per-step wall time, cProfile of the host work over
     steps 100-400 and a torch.profiler trace of steps 400-410 (kernel time by name)."""
@@ -480,10 +561,14 @@ def mode_profile(args) -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 t0 = time.perf_counter()
-                for _ in range(10):
-                    engine.step()
+                for i in range(10):
+                    with torch.profiler.record_function(f"engine.step {step + i}"):
+                        engine.step()
                 torch.cuda.synchronize()
                 traced_wall = time.perf_counter() - t0
+            if args.chrome_trace:
+                prof.export_chrome_trace(args.chrome_trace)
+                subprocess.run(["gzip", "-f", args.chrome_trace], check=True)
             step += 10
             continue
         t0 = time.perf_counter()
@@ -632,7 +717,8 @@ def mode_ttft(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "prefill-tune", "greedy", "workload",
-                                         "transformers", "roofline", "profile", "timeline", "ttft", "gemms"])
+                                         "transformers", "roofline", "profile", "timeline", "ttft", "gemms",
+                                         "long-prompt"])
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -647,6 +733,7 @@ def main() -> None:
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
+    parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -666,6 +753,7 @@ def main() -> None:
         engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
     {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
      "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile,
+     "long-prompt": mode_long_prompt,
      "timeline": mode_timeline, "ttft": mode_ttft, "gemms": mode_gemms}[args.mode](args)
 
 

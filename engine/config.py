@@ -41,6 +41,9 @@ class EngineConfig:
     max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
     # Steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA graphs (0: never).
     max_prefill_graph_tokens: int = 1024
+    # With the triton backend on a Hopper GPU, attention of prompt steps whose longest query run has at
+    # least this many tokens goes to flash-attn-4 when it is installed (0: never). See paged_attention.py.
+    fa4_prefill_min_tokens: int = 4096
     # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
     # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.
     async_scheduling: bool | None = None
@@ -66,6 +69,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.fa4_prefill_min_tokens < 0:
+            raise ValueError("fa4_prefill_min_tokens must be 0 (never) or more")
         if self.max_prefill_graph_tokens < 0:
             raise ValueError("max_prefill_graph_tokens must be 0 (no graphs) or more")
         if self.max_num_batched_tokens < self.block_size:

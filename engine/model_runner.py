@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.layers.linear import can_prepack, prepack_linears
 from engine.loader import load_model
-from engine.paged_attention import AttentionMetadata, select_backend
+from engine.paged_attention import AttentionMetadata, fa4_prefill_applies, select_backend
 from engine.piecewise_graphs import PrefillGraphs
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -66,8 +66,16 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.attention_backend = select_backend(config.attention_backend, self.device, config.block_size, self.dtype)
+        # Long prompt steps through flash-attn-4 where it is installed and faster (paged_attention.py); a
+        # threshold above the step budget is never met.
+        self.fa4_min_tokens = 0
+        if (self.attention_backend == "triton" and 0 < config.fa4_prefill_min_tokens <= config.max_num_batched_tokens
+                and fa4_prefill_applies(self.device, self.dtype, mc.head_dim)):
+            self.fa4_min_tokens = config.fa4_prefill_min_tokens
+            log.info("prompt steps with a prompt chunk of %d+ tokens attend through flash-attn-4", self.fa4_min_tokens)
         for attn in self.model.attention_layers():
             attn.backend = self.attention_backend
+            attn.fa4_min_tokens = self.fa4_min_tokens
         # The fused norm, rotary and SwiGLU kernels come with the attention backend: pagoda's C kernels
         # with `cpu`, the Triton ones with triton and flash_attn, plain PyTorch with the reference.
         kernels = {"torch": "torch", "cpu": "cpu"}.get(self.attention_backend, "triton")
@@ -183,9 +191,12 @@ class ModelRunner:
         prompts) and the paged prefill kernel (prompts after cached context; it also serves prompts
         beside decodes). Triton compiles a kernel the first time a step calls it, seconds of stall
         in the middle of serving. Token counts select no variant (strides and the block-table
-        width do, and are fixed); the decode kernels compile in the graph captures."""
+        width do, and are fixed); the decode kernels compile in the graph captures. flash-attn-4, where
+        long prompt steps take it, compiles a kernel on its first call of each kind too."""
         for cached in (0, 16):
             self._dummy_forward([9, 8], cached)
+            if self.fa4_min_tokens:
+                self._dummy_forward([self.fa4_min_tokens], cached)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

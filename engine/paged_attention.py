@@ -10,6 +10,8 @@ Backends, one call for all:
 - triton: the kernels of engine/kernels (tiled, online softmax, read through block tables).
 - flash_attn: `flash_attn_varlen_func` with `block_table`, from the `flash-attn` package or from
   the build vLLM ships (`vllm.vllm_flash_attn`, FlashAttention-3 on Hopper).
+  With triton on a Hopper GPU, prompt steps with a long query run (EngineConfig.fa4_prefill_min_tokens)
+  attend through flash-attn-4 (`flash_attn.cute`) when it is installed: see `fa4_prefill_applies`.
 - cpu: pagoda's C kernels (engine/cpu_ops.py) for decodes and short query runs; long fresh prompts
   keep the torch path, whose batched SDPA call is matmul-bound there.
 """
@@ -97,6 +99,34 @@ def flash_attn_module():
 
 
 @functools.cache
+def fa4_varlen():
+    """flash-attn-4's `flash_attn_varlen_func` (FlashAttention's CuTe-DSL build), or None where it does
+    not import."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # not installed, or its CUDA libraries do not load here
+        return None
+    return flash_attn_varlen_func
+
+
+def fa4_prefill_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether long prompt steps should attend through flash-attn-4 here rather than pagoda's kernels.
+
+    Measured on the H100 (`bench/gpu_check.py kernels`, bench/results/gpu_check-h100-session8.jsonl):
+    its warp-specialized Hopper forward (one warpgroup's softmax overlapped with another's matmuls,
+    which Triton does not produce from prefill_fresh) is 1.19x faster than prefill_fresh at 2 x 8k
+    tokens and 1.27x at 1 x 32k, level at 8 x 2k, and slower at 32 x 512; through the block tables
+    1.2-1.5x faster than the paged kernel from 2k tokens. Its decode (no split-KV on Hopper) loses to
+    pagoda's at every batch, so decodes never go there. Hopper only (where it was measured), its
+    16-bit types, head dims of 8..256 in multiples of 8."""
+    return (
+        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        and dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 256 and head_dim % 8 == 0
+        and fa4_varlen() is not None
+    )
+
+
+@functools.cache
 def _fa_version(device_index: int) -> int:
     return 3 if torch.cuda.get_device_capability(device_index)[0] == 9 else 2
 
@@ -140,6 +170,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend = "torch"  # set by the runner (select_backend)
+        # Set by the runner where fa4_prefill_applies: with triton, prompt steps whose longest query run
+        # has at least this many tokens attend through flash-attn-4 (0: never).
+        self.fa4_min_tokens = 0
         # While the runner captures piecewise CUDA graphs (engine/piecewise_graphs.py): called instead of
         # attending, it ends one graph at this layer's attention and begins the next.
         self.split = None
@@ -165,6 +198,9 @@ class Attention(nn.Module):
             return result if out is None else out.copy_(result)
         from engine.kernels import attention
 
+        if self.fa4_min_tokens and meta.max_query_len >= self.fa4_min_tokens:
+            result = self._fa4(q, k, v, meta)
+            return result if out is None else out.copy_(result)
         if meta.decode_only:
             return attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor,
                                           self.scale, out=out)
@@ -192,6 +228,19 @@ class Attention(nn.Module):
                           fa_version=_fa_version(q.device.index or 0), **kwargs)
         cu_k = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, self.k_cache, self.v_cache, cu_seqlens_k=cu_k, **kwargs)
+
+    def _fa4(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A long prompt step through flash-attn-4: from the step's own k/v (prepared in place) when every
+        sequence is a whole prompt, as prefill_fresh does, else through the block tables, which also
+        covers cached context and the decodes beside the prompt."""
+        common = dict(cu_seqlens_q=meta.query_start_tensor, max_seqlen_q=meta.max_query_len,
+                      max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=True)
+        if meta.fresh:
+            result = fa4_varlen()(q, k, v, cu_seqlens_k=meta.query_start_tensor, **common)
+        else:
+            result = fa4_varlen()(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor,
+                                  page_table=meta.block_tables, **common)
+        return result[0] if isinstance(result, tuple) else result  # (out, lse)
 
     def _cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         from engine import cpu_ops

@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="never replay CUDA graphs (slower; for debugging)",
     )
     eng.add_argument(
+        "--fa4-prefill-min-tokens", type=int, default=4096,
+        help="with the triton backend on Hopper, prompt steps whose longest prompt chunk has at least this many "
+        "tokens attend through flash-attn-4 when it is installed, faster there from ~4k tokens (0: never) "
+        "(default: %(default)s)",
+    )
+    eng.add_argument(
         "--max-prefill-graph-tokens", type=int, default=1024,
         help="steps with prompt tokens, up to this many tokens in all, replay CUDA graphs captured in pieces "
         "between the attention calls (0: never) (default: %(default)s)",
@@ -208,6 +214,7 @@ def _engine_config(args: argparse.Namespace, model_dir: str | None):
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        fa4_prefill_min_tokens=args.fa4_prefill_min_tokens,
         async_scheduling=args.async_scheduling,
     )
 

@@ -228,3 +228,16 @@ def test_the_cli_offers_every_attention_backend():
     serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
                  if a.dest == "attention_backend")
     assert list(serve.choices) == ["auto", *BACKENDS]
+
+
+def test_fa4_prompt_route_is_off_where_it_does_not_apply(tiny_model_dir):
+    """flash-attn-4 takes long prompt steps only with triton on a Hopper GPU where it imports: on the
+    CPU every layer keeps the threshold at 0 (never), and a negative threshold is refused."""
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="fa4_prefill_min_tokens"):
+        EngineConfig(fa4_prefill_min_tokens=-1)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", fa4_prefill_min_tokens=16)
+    runner = llm.engine.runner
+    assert runner.fa4_min_tokens == 0
+    assert all(attn.fa4_min_tokens == 0 for attn in runner.model.attention_layers())

@@ -249,3 +249,40 @@ def test_decode_cuda_graph_replay_follows_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, reference(**batch), torch.bfloat16)
+
+
+def _fa4_here() -> bool:
+    from engine.paged_attention import fa4_prefill_applies
+
+    return CUDA and fa4_prefill_applies(torch.device("cuda"), torch.bfloat16, 128)
+
+
+def _metadata(batch, fresh: bool):
+    from engine.paged_attention import AttentionMetadata
+
+    seq_lens, query_start = batch["seq_lens"], batch["query_start"]
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0), query_start=query_start.tolist(), seq_lens=seq_lens.tolist(),
+        block_tables=batch["block_tables"], seq_lens_tensor=seq_lens, query_start_tensor=query_start,
+        max_query_len=int((query_start[1:] - query_start[:-1]).max()), max_seq_len=int(seq_lens.max()), fresh=fresh)
+
+
+@pytest.mark.skipif(not _fa4_here(), reason="needs flash-attn-4 on a Hopper GPU (bench/fa4_h100.sh carries it there)")
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64), (14, 14, 128)])
+def test_fa4_prompt_route_matches_reference(heads, kv_heads, head_dim):
+    """The long-prompt route through flash-attn-4 (Attention._fa4), both ways: whole prompts from the
+    step's own k/v (views of one fused q|k|v buffer, as the model makes them), and chunks after cached
+    context with decodes beside them through the shuffled block tables."""
+    from engine.paged_attention import Attention
+
+    attn = Attention(heads, kv_heads, head_dim)
+    batch = make_batch([0, 0, 0], [300, 77, 1500], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=21)
+    attn.k_cache, attn.v_cache = batch["k_cache"], batch["v_cache"]
+    q, k, v = _fresh_kv(batch)
+    assert_close(attn._fa4(q, k, v, _metadata(batch, fresh=True)), reference(**batch), torch.bfloat16)
+
+    batch = make_batch([0, 37, 500, 5, 3000], [300, 1, 130, 700, 1], heads, kv_heads, head_dim, 16, torch.bfloat16,
+                       seed=22)
+    attn.k_cache, attn.v_cache = batch["k_cache"], batch["v_cache"]
+    out = attn._fa4(batch["q"], None, None, _metadata(batch, fresh=False))
+    assert_close(out, reference(**batch), torch.bfloat16)
