@@ -612,6 +612,8 @@ def mode_timeline(args) -> None:
     for i, (p, n) in enumerate(zip(prompts, outs)):
         engine.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                                       output_kind="final_only"))
+    cfg = engine.runner.model.config
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V, every layer
     rows = []
     torch.cuda.synchronize()
     before = _allocator_counts()
@@ -620,22 +622,28 @@ def mode_timeline(args) -> None:
         t0 = time.perf_counter()
         engine.step()
         st = engine.last_step
+        # The KV a decode step reads: the running sequences' cached tokens (give or take the step in flight).
+        context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
         rows.append((time.perf_counter() - t0, st.num_batched_tokens, st.num_prefill_tokens,
-                     st.num_generated_tokens))
+                     st.num_generated_tokens, context))
     total = time.perf_counter() - start
     buckets: dict[str, list] = {}
-    for wall, batched, prefill, generated in rows:
+    for row in rows:
+        wall, batched, prefill = row[:3]
         if prefill:
             key = "prefill"
         else:
             key = next(f"decode<={b}" for b in (1, 8, 32, 64, 128, 256, 1 << 30) if batched <= b)
-        buckets.setdefault(key, []).append((wall, batched, prefill, generated))
+        buckets.setdefault(key, []).append(row)
     summary = {k: {"steps": len(v), "wall_s": sum(r[0] for r in v), "step_ms_median": statistics.median(r[0] for r in v) * 1e3,
                    "tokens": sum(r[1] for r in v), "prefill_tokens": sum(r[2] for r in v),
-                   "generated": sum(r[3] for r in v)} for k, v in sorted(buckets.items())}
+                   "generated": sum(r[3] for r in v), "kv_read_tb": sum(r[4] for r in v) * kv_per_token / 1e12,
+                   "kv_tb_per_s": sum(r[4] for r in v) * kv_per_token / 1e12 / sum(r[0] for r in v)}
+               for k, v in sorted(buckets.items())}
     for k, v in summary.items():
         print(f"{k:14s} {v['steps']:6d} steps {v['wall_s']:7.3f} s  median {v['step_ms_median']:7.2f} ms  "
-              f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d}")
+              f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d} "
+              f"KV {v['kv_read_tb']:6.2f} TB at {v['kv_tb_per_s']:5.2f} TB/s")
     emit(args, {"mode": "timeline", "engine_kw": _engine_kw(args), "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
                 "async_scheduling": ASYNC, "total_s": total, "steps": len(rows), "buckets": summary,
                 "allocator": {k: v - before[k] for k, v in _allocator_counts().items()}})

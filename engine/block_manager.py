@@ -50,15 +50,27 @@ class BlockManager:
     # ----- prefix cache -----
 
     def block_names_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The chained names of `seq`'s first `num_blocks` full blocks (memoized on the sequence)."""
+        """The chained names of `seq`'s full blocks, at least its first `num_blocks`: its memo itself,
+        to read, not to change (no copy: the scheduler looks up a few names of hundreds of sequences)."""
         names = seq.block_hashes
-        bs = self.block_size
-        while len(names) < num_blocks:
-            i = len(names)
-            digest = hashlib.sha256(names[-1] if names else b"")
-            digest.update(array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes())
-            names.append(digest.digest())
-        return names[:num_blocks]
+        start = len(names)
+        if start >= num_blocks:
+            return names
+        # The new blocks' tokens as bytes in one piece: from the prompt's int64 copy when they are all
+        # prompt tokens, else converted here (converting costs as much per block as the hash).
+        bs, prompt = self.block_size, seq.request.prompt_array
+        if num_blocks * bs <= len(prompt):
+            data = prompt[start * bs : num_blocks * bs].tobytes()
+        else:
+            data = array("q", seq.token_ids[start * bs : num_blocks * bs]).tobytes()
+        step = bs * 8  # bytes of one block's token ids
+        name = names[-1] if names else b""
+        for offset in range(0, len(data), step):
+            digest = hashlib.sha256(name)
+            digest.update(data[offset : offset + step])
+            name = digest.digest()
+            names.append(name)
+        return names
 
     def take_cached_prefix(self, seq: Sequence) -> int:
         """For a sequence with nothing computed: take every leading cached block; returns the
@@ -69,7 +81,7 @@ class BlockManager:
             return 0
         full = (len(seq.token_ids) - 1) // self.block_size
         self.prefix_queried_tokens += full * self.block_size
-        for name in self.block_names_of(seq, full):
+        for name in self.block_names_of(seq, full)[:full]:
             block = self.cache.get(name)
             if block is None:
                 break
@@ -109,6 +121,14 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
+    def fits_own_blocks(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether `seq`'s next `num_new_tokens` land in blocks it holds alone: nothing to take or copy
+        (most decode steps)."""
+        return (
+            seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+            and self._shared_write_block(seq) is None
+        )
+
     def tokens_that_fit(self, seq: Sequence) -> int:
         """How many more tokens `seq` could compute with the blocks it has plus the free ones."""
         free = self.num_free_blocks - (1 if self._shared_write_block(seq) is not None else 0)
@@ -116,28 +136,29 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Grow `seq`'s block table for its next `num_new_tokens`; returns (src, dst) block copies to make."""
+        if self.fits_own_blocks(seq, num_new_tokens):
+            return []
         total = seq.num_computed_tokens + num_new_tokens
         shared = self._shared_write_block(seq)
-        if shared is None and total <= len(seq.block_table) * self.block_size:
-            return []  # most decode steps: the token lands in a block it owns alone
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}")
         copies = []
         if shared is not None:
             index, src = shared
-            dst = self._take()
+            [dst] = self._take(1)
             self.ref_counts[src] -= 1
             seq.block_table[index] = dst
             copies.append((src, dst))
-        while len(seq.block_table) * self.block_size < total:
-            seq.block_table.append(self._take())
+        missing = -(-total // self.block_size) - len(seq.block_table)
+        if missing > 0:
+            seq.block_table += self._take(missing)
         return copies
 
     def take_blocks(self, num_blocks: int) -> list[int]:
         """`num_blocks` private blocks (for a sequence swapped back in)."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError("out of KV blocks")
-        return [self._take() for _ in range(num_blocks)]
+        return self._take(num_blocks)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent`."""
@@ -167,14 +188,18 @@ class BlockManager:
             self._forget(block)
             self.empty_blocks.append(block)
 
-    def _take(self) -> int:
-        if self.empty_blocks:
-            block = self.empty_blocks.popleft()
-        else:  # evict the least recently freed cached block
+    def _take(self, num_blocks: int) -> list[int]:
+        """`num_blocks` blocks, each now held once: empty blocks first, then the least recently
+        freed cached ones, evicted. (One call per sequence: a prompt chunk takes dozens.)"""
+        pop_empty = self.empty_blocks.popleft
+        blocks = [pop_empty() for _ in range(min(num_blocks, len(self.empty_blocks)))]
+        while len(blocks) < num_blocks:
             block, _ = self.cached_free.popitem(last=False)
             self._forget(block)
-        self.ref_counts[block] = 1
-        return block
+            blocks.append(block)
+        for block in blocks:
+            self.ref_counts[block] = 1
+        return blocks
 
     def _forget(self, block: int) -> None:
         name = self.block_names[block]

@@ -20,7 +20,7 @@ from engine.paged_attention import AttentionMetadata, fa4_prefill_applies, selec
 from engine.piecewise_graphs import PrefillGraphs
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, new_token_ids
 from engine.sequence import Sequence, TokenLogprobs
 
 log = logging.getLogger("pagoda.runner")
@@ -217,6 +217,7 @@ class ModelRunner:
     def _metadata(self, num_new: list[int], positions: np.ndarray, tables: list[list[int]]) -> AttentionMetadata:
         """`positions`: every new token's position, sequence after sequence."""
         bs = self.block_size
+        num_new = np.asarray(num_new)  # converted once for the three uses below
         query_start = np.zeros(len(num_new) + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start[1:])
         seq_lens = positions[query_start[1:] - 1] + 1
@@ -232,7 +233,7 @@ class ModelRunner:
             block_tables=self._upload(block_tables),
             seq_lens_tensor=self._upload(seq_lens.astype(np.int32)),
             query_start_tensor=self._upload(query_start),
-            max_query_len=max(num_new),
+            max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             fresh=bool((seq_lens == np.diff(query_start)).all()),
         )
@@ -305,13 +306,12 @@ class ModelRunner:
         A sequence's last token may be PLACEHOLDER: sampled by `previous`, which is still on the
         device; its value is copied there from `previous`'s token tensor, with no host sync."""
         seqs = [s.seq for s in scheduled]
-        num_new = [s.num_new_tokens for s in scheduled]
-        num_computed = [s.num_computed_tokens for s in seqs]
-        token_ids = [t for s, c, n in zip(seqs, num_computed, num_new) for t in s.token_ids[c : c + n]]
+        num_new = np.array([s.num_new_tokens for s in scheduled])
+        num_computed = np.array([s.num_computed_tokens for s in seqs])
+        token_ids = new_token_ids(scheduled)
         # Positions: each sequence's new tokens continue from its computed ones.
         ends = np.cumsum(num_new)
-        starts = np.repeat(np.asarray(num_computed) - (ends - num_new), num_new)
-        positions = starts + np.arange(len(token_ids))
+        positions = np.repeat(num_computed - (ends - num_new), num_new) + np.arange(len(token_ids))
         fill = self._placeholders(token_ids, seqs, ends, previous)
         tables = [s.block_table for s in seqs]
         rows = [row for _, row in sampling]
@@ -324,7 +324,7 @@ class ModelRunner:
             if self.prefill_graphs is not None and self.prefill_graphs.fits(len(token_ids)):
                 hidden = self.prefill_graphs.run(token_ids, positions, meta, fill)
             else:
-                input_ids = self._upload(np.asarray(token_ids))
+                input_ids = self._upload(token_ids)
                 if fill is not None:
                     input_ids[fill[0]] = fill[1]
                 hidden = self.model(input_ids, self._upload(positions), meta)
@@ -350,7 +350,7 @@ class ModelRunner:
         return LaunchedStep(sampling, out.token_ids, host, event)
 
     def _placeholders(
-        self, token_ids: list[int], seqs: list[Sequence], ends: np.ndarray, previous: LaunchedStep | None
+        self, token_ids: np.ndarray, seqs: list[Sequence], ends: np.ndarray, previous: LaunchedStep | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(input indices, their tokens on the device) for PLACEHOLDER inputs; zeroes them in `token_ids`.
 
@@ -358,17 +358,15 @@ class ModelRunner:
         sequence is looked at."""
         if previous is None:
             return None
-        rows = previous.row_of()
-        dst, src = [], []
-        for i, seq in enumerate(seqs):
-            last = int(ends[i]) - 1
-            if token_ids[last] == PLACEHOLDER:
-                token_ids[last] = 0
-                dst.append(last)
-                src.append(rows[seq.seq_id])
-        if not dst:
+        last = ends - 1
+        waiting = np.flatnonzero(token_ids[last] == PLACEHOLDER)
+        if not len(waiting):
             return None
-        return self._upload(np.asarray(dst)), previous.token_ids[self._upload(np.asarray(src))]
+        dst = last[waiting]
+        token_ids[dst] = 0
+        rows = previous.row_of()
+        src = np.array([rows[seqs[i].seq_id] for i in waiting])
+        return self._upload(dst), previous.token_ids[self._upload(src)]
 
     def collect(self, step: LaunchedStep) -> SampledTokens:
         """Wait for a launched step's tokens (only its own copies, not later work) and read them."""
@@ -500,7 +498,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, token_ids: list[int], positions: np.ndarray, tables: list[list[int]],
+        self, token_ids: np.ndarray, positions: np.ndarray, tables: list[list[int]],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.

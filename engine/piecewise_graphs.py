@@ -172,7 +172,7 @@ class PrefillGraphs:
         self.pieces[size] = pieces
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], positions: np.ndarray, meta: AttentionMetadata,
+    def run(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The forward of len(token_ids) tokens: [tokens, hidden] final hidden states."""
         n = len(token_ids)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.block_manager import BlockManager, SwapPool
 from engine.sequence import Sequence, SequenceStatus
 
@@ -26,6 +28,28 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """After this step every token of the sequence is computed, so it samples the next one."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
+    """The token ids the scheduled sequences compute this step, one after another, as int64."""
+    out = np.empty(sum(item.num_new_tokens for item in scheduled), dtype=np.int64)
+    # One-token items (decodes) are gathered and converted together; a prompt chunk is copied from the
+    # prompt's int64 array, since converting thousands of Python ints is most of a prompt step's cost.
+    single_at: list[int] = []
+    single_ids: list[int] = []
+    offset = 0
+    for item in scheduled:
+        seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        if num_new == 1:
+            single_at.append(offset)
+            single_ids.append(seq.token_ids[start])
+        elif start + num_new <= len(seq.request.prompt_array):
+            out[offset : offset + num_new] = seq.request.prompt_array[start : start + num_new]
+        else:  # recomputing generated tokens too, after a preemption
+            out[offset : offset + num_new] = seq.token_ids[start : start + num_new]
+        offset += num_new
+    out[single_at] = single_ids
+    return out
 
 
 @dataclass
@@ -70,6 +94,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         # Decodes first (one token each), then prefills already under way, each by priority.
@@ -79,21 +104,22 @@ class Scheduler:
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 continue
-            while not self.block_manager.can_allocate(seq, num_new):
-                victim = self._pick_victim(exclude=scheduled_ids) or seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            out.block_copies += self.block_manager.allocate(seq, num_new)
+            if not bm.fits_own_blocks(seq, num_new):
+                while not bm.can_allocate(seq, num_new):
+                    victim = self._pick_victim(exclude=scheduled_ids) or seq
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                out.block_copies += bm.allocate(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
         # Bring back swapped and admit waiting sequences only if nothing was preempted: a
         # preemption means the pool is full.
-        if out.preempted:
+        if out.preempted or not (self.swapped or self.waiting):
             return out
         seats = sum(s.num_seqs_when_running for s in self.running)
         self.swapped.sort(key=lambda s: s.sort_key)
@@ -117,7 +143,6 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seats += seq.num_seqs_when_running
             budget -= num_new
-        bm = self.block_manager
         if not self.waiting:
             return out
         in_flight = self._blocks_in_flight(out.scheduled)
@@ -154,11 +179,13 @@ class Scheduler:
             return set()
         names: set[bytes] = set()
         for item in items:
-            first = item.seq.num_computed_tokens // bm.block_size
+            seq = item.seq
+            first = seq.num_computed_tokens // bm.block_size
             # Only blocks of known tokens: a planned token (async scheduling) is not one yet.
-            known = len(item.seq.token_ids) - item.seq.num_pending
-            full = min(item.seq.num_computed_tokens + item.num_new_tokens, known) // bm.block_size
-            names.update(bm.block_names_of(item.seq, full)[first:])
+            known = len(seq.token_ids) - seq.num_pending
+            full = min(seq.num_computed_tokens + item.num_new_tokens, known) // bm.block_size
+            if full > first:  # most decodes fill no block
+                names.update(bm.block_names_of(seq, full)[first:full])
         return names
 
     def _next_block_in_flight(self, seq: Sequence, in_flight: set[bytes]) -> bool:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.sampling_params import SamplingParams
 
@@ -75,7 +78,8 @@ class Sequence:
             return request.params.n - len(request.seqs) + 1
         return 1
 
-    @property
+    # Cached: the scheduler sorts by it every step, and a request's priority and arrival never change.
+    @functools.cached_property
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: lower priority value first, then earlier arrival."""
         return (self.request.priority, self.request.arrival_time, self.seq_id)
@@ -94,6 +98,12 @@ class Request:
     first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None
+    # The prompt as int64, converted once here rather than in every step that reads it: the runner's
+    # input ids and the prefix-cache names take their prompt tokens from it.
+    prompt_array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def is_finished(self) -> bool:
