@@ -495,8 +495,9 @@ def mode_roofline(args) -> None:
 def mode_long_prompt(args) -> None:
     """Time to the first token of one long prompt (Llama-3-8B shape), its attention through
     flash-attn-4 or through pagoda's kernels, alternating in one engine (the route toggled on its
-    layers). Whole prompts in one step (a step budget of the longest), then a 32k prompt in
-    8,192-token chunks (the chunks after the first read cached context through the block tables)."""
+    layers). Whole prompts in one step (a step budget of the longest), then an 8k prompt in
+    2,048-token chunks and a 32k prompt in 8,192-token chunks (the chunks after the first read
+    cached context through the block tables)."""
     import shutil
     import tempfile
 
@@ -508,8 +509,10 @@ def mode_long_prompt(args) -> None:
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 131072
     (model / "config.json").write_text(json.dumps(config))
-    for budget, lengths in ((32768, (4096, 8192, 16384, 32768)), (8192, (32768,))):
-        llm = _llm(str(model), args.backend, True, max_num_batched_tokens=budget, max_model_len=32768 + 64)
+    # The engine's threshold at 1,024 tokens, so that every length here can take either route.
+    for budget, lengths in ((32768, (1024, 2048, 4096, 8192, 16384, 32768)), (2048, (8192,)), (8192, (32768,))):
+        llm = _llm(str(model), args.backend, True, max_num_batched_tokens=budget, max_model_len=32768 + 64,
+                   fa4_prefill_min_tokens=1024)
         runner = llm.engine.runner
         if not runner.fa4_min_tokens:
             print("flash-attn-4 does not import here: nothing to compare")

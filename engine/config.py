@@ -42,8 +42,9 @@ class EngineConfig:
     # Steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA graphs (0: never).
     max_prefill_graph_tokens: int = 1024
     # With the triton backend on a Hopper GPU, attention of prompt steps whose longest query run has at
-    # least this many tokens goes to flash-attn-4 when it is installed (0: never). See paged_attention.py.
-    fa4_prefill_min_tokens: int = 4096
+    # least this many tokens goes to flash-attn-4 when it is installed (0: never): level with pagoda's
+    # kernels at 2,048 tokens, faster beyond, slower below. See paged_attention.py.
+    fa4_prefill_min_tokens: int = 2048
     # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
     # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.
     async_scheduling: bool | None = None
