@@ -325,18 +325,25 @@ def mode_greedy(args) -> None:
     """Greedy tokens of the Triton backend vs the torch backend, same dummy weights (same seed)."""
     from engine import SamplingParams
 
-    prompts = _fixed_prompts(4, 64, seed=1)
+    # --prompt-len 3000: prompts long enough for the flash-attn-4 route where it is installed.
+    prompts = _fixed_prompts(4, args.prompt_len, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, logprobs=2)
+    max_len = args.prompt_len + 256 + 16
     runs = {}
     for backend in ("torch", "triton"):
-        llm = _llm(LLAMA_8B, backend, eager=False, num_gpu_blocks_override=256, max_model_len=1024)
+        llm = _llm(LLAMA_8B, backend, eager=False, num_gpu_blocks_override=4 * (max_len // 16 + 1) + 16,
+                   max_model_len=max(1024, max_len))
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        if backend == "triton":
+            runs["triton_fa4"] = llm.engine.runner.fa4_min_tokens  # 0: the route is off here
         del llm
         torch.cuda.empty_cache()
     for i, (ref, got) in enumerate(zip(runs["torch"], runs["triton"])):
         ref_ids, got_ids = ref.outputs[0].token_ids, got.outputs[0].token_ids
         first = next((j for j, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b), None)
-        row = {"mode": "greedy", "prompt": i, "tokens": len(ref_ids), "equal": first is None, "first_divergence": first}
+        row = {"mode": "greedy", "prompt": i, "prompt_len": args.prompt_len, "tokens": len(ref_ids),
+               "equal": first is None, "first_divergence": first,
+               "fa4_threshold": runs["triton_fa4"]}
         if first is not None:
             top = ref.outputs[0].logprobs[first].top
             # The torch backend's own top-2 margin at the divergence: a tie within bf16 rounding
@@ -743,6 +750,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")
     parser.add_argument("--out", default=None)
