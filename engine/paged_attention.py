@@ -116,7 +116,9 @@ def fa4_prefill_applies(device: torch.device, dtype: torch.dtype, head_dim: int)
     its warp-specialized Hopper forward (one warpgroup's softmax overlapped with another's matmuls,
     which Triton does not produce from prefill_fresh) is 1.19x faster than prefill_fresh at 2 x 8k
     tokens and 1.27x at 1 x 32k, level at 8 x 2k, and slower at 32 x 512; through the block tables
-    1.2-1.5x faster than the paged kernel from 2k tokens. Its decode (no split-KV on Hopper) loses to
+    1.2-1.5x faster than the paged kernel from 2k tokens. End to end (`gpu_check.py long-prompt`) a
+    prompt's time to first token is level at 2k tokens, 4-14% shorter from 4k to 32k and 18% longer
+    at 1k: hence the default threshold of 2,048. Its decode (no split-KV on Hopper) loses to
     pagoda's at every batch, so decodes never go there. Hopper only (where it was measured), its
     16-bit types, head dims of 8..256 in multiples of 8."""
     return (
