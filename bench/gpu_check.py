@@ -138,16 +138,23 @@ def _flash_peer():
 
 def _fa4_peer():
     """flash-attn-4's varlen attention (CuTe DSL, its own Hopper forward) as (call, name), or (None, None)."""
-    try:
-        import flash_attn.cute as fa4
-    except ImportError:
+    from engine.paged_attention import fa4_varlen
+
+    varlen = fa4_varlen()
+    if varlen is None:
         return None, None
 
     def call(**kw) -> torch.Tensor:
-        out = fa4.flash_attn_varlen_func(**kw)
+        out = varlen(**kw)
         return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
-    return call, f"flash-attn-4 {fa4.__version__}"
+    import importlib.metadata
+
+    try:  # flash_attn.cute.__version__ reads 0.0.0 when installed with --target
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(version unknown)"
+    return call, f"flash-attn-4 {version}"
 
 
 def _rel_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:

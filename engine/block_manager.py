@@ -12,7 +12,6 @@ another's KV, and with a collision-resistant hash none will be found in practice
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict, deque
 
 from engine.sequence import Sequence
@@ -56,13 +55,10 @@ class BlockManager:
         start = len(names)
         if start >= num_blocks:
             return names
-        # The new blocks' tokens as bytes in one piece: from the prompt's int64 copy when they are all
-        # prompt tokens, else converted here (converting costs as much per block as the hash).
-        bs, prompt = self.block_size, seq.request.prompt_array
-        if num_blocks * bs <= len(prompt):
-            data = prompt[start * bs : num_blocks * bs].tobytes()
-        else:
-            data = array("q", seq.token_ids[start * bs : num_blocks * bs]).tobytes()
+        # The new blocks' tokens as bytes in one piece (converting them block by block costs as much as
+        # the hashes).
+        bs = self.block_size
+        data = seq.token_array(start * bs, num_blocks * bs).tobytes()
         step = bs * 8  # bytes of one block's token ids
         name = names[-1] if names else b""
         for offset in range(0, len(data), step):
@@ -136,10 +132,10 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Grow `seq`'s block table for its next `num_new_tokens`; returns (src, dst) block copies to make."""
-        if self.fits_own_blocks(seq, num_new_tokens):
-            return []
         total = seq.num_computed_tokens + num_new_tokens
         shared = self._shared_write_block(seq)
+        if shared is None and total <= len(seq.block_table) * self.block_size:
+            return []  # fits_own_blocks: most decode steps
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}")
         copies = []

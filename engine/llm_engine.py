@@ -251,8 +251,7 @@ class LLMEngine:
             if not item.samples:
                 continue
             sampling.append((item.seq, row))
-            if item.seq.request.params.n > 1:
-                sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
+            sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
         launched = self.runner.launch(sched.scheduled, sampling, previous.launched if previous else None)
         prefill_tokens = 0
         ends = []

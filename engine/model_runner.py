@@ -214,7 +214,9 @@ class ModelRunner:
 
     # ----- one step -----
 
-    def _metadata(self, num_new: list[int], positions: np.ndarray, tables: list[list[int]]) -> AttentionMetadata:
+    def _metadata(
+        self, num_new: list[int] | np.ndarray, positions: np.ndarray, tables: list[list[int]]
+    ) -> AttentionMetadata:
         """`positions`: every new token's position, sequence after sequence."""
         bs = self.block_size
         num_new = np.asarray(num_new)  # converted once for the three uses below

@@ -33,8 +33,7 @@ class ScheduledSeq:
 def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
     """The token ids the scheduled sequences compute this step, one after another, as int64."""
     out = np.empty(sum(item.num_new_tokens for item in scheduled), dtype=np.int64)
-    # One-token items (decodes) are gathered and converted together; a prompt chunk is copied from the
-    # prompt's int64 array, since converting thousands of Python ints is most of a prompt step's cost.
+    # One-token items (decodes) are gathered and converted together; longer ones come as arrays.
     single_at: list[int] = []
     single_ids: list[int] = []
     offset = 0
@@ -43,10 +42,8 @@ def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
         if num_new == 1:
             single_at.append(offset)
             single_ids.append(seq.token_ids[start])
-        elif start + num_new <= len(seq.request.prompt_array):
-            out[offset : offset + num_new] = seq.request.prompt_array[start : start + num_new]
-        else:  # recomputing generated tokens too, after a preemption
-            out[offset : offset + num_new] = seq.token_ids[start : start + num_new]
+        else:
+            out[offset : offset + num_new] = seq.token_array(start, start + num_new)
         offset += num_new
     out[single_at] = single_ids
     return out

@@ -78,6 +78,15 @@ class Sequence:
             return request.params.n - len(request.seqs) + 1
         return 1
 
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """Token ids [start, end) as int64: a slice of the request's prompt array when they are all
+        prompt tokens (converting thousands of Python ints is most of what a prompt chunk costs the
+        host), else converted here."""
+        prompt = self.request.prompt_array
+        if end <= len(prompt):
+            return prompt[start:end]
+        return np.asarray(self.token_ids[start:end], dtype=np.int64)
+
     # Cached: the scheduler sorts by it every step, and a request's priority and arrival never change.
     @functools.cached_property
     def sort_key(self) -> tuple[int, float, int]:

@@ -15,6 +15,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def fa4_on_hopper() -> bool:
+    """Whether flash-attn-4 takes long prompt steps on this machine (a Hopper GPU with it installed)."""
+    if not torch.cuda.is_available():
+        return False
+    from engine.paged_attention import fa4_prefill_applies
+
+    return fa4_prefill_applies(torch.device("cuda"), torch.bfloat16, 128)
+
+
+NEEDS_FA4 = "needs flash-attn-4 on a Hopper GPU (bench/fa4_h100.sh carries it there)"
+
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, NEEDS_FA4, fa4_on_hopper
 from tests.test_greedy_equality import MODES, PROMPT_LENGTHS, hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -107,12 +107,6 @@ print(json.dumps({"before": before, "compiled": {k: n - before.get(k, 0) for k, 
 """
 
 
-def _fa4_here() -> bool:
-    from engine.paged_attention import fa4_prefill_applies
-
-    return fa4_prefill_applies(torch.device("cuda"), torch.bfloat16, 128)
-
-
 @pytest.mark.parametrize("mode", ["graphs", "eager", "fa4"])
 def test_no_triton_kernel_compiles_after_start_up(mode):
     """Serving steps of every kind (fresh prompts of odd and even token counts, chunked prompts,
@@ -124,8 +118,8 @@ def test_no_triton_kernel_compiles_after_start_up(mode):
     profiling forward (which calls the fresh-prompt kernel too) does not run. With flash-attn-4
     taking prompt chunks of 256+ tokens (`fa4`: the 300-token prompt alone, the 512-token chunks
     of the 1,000-token prompt, after its cached first chunk), its two kernels compile at start-up."""
-    if mode == "fa4" and not _fa4_here():
-        pytest.skip("needs flash-attn-4 on a Hopper GPU (bench/fa4_h100.sh carries it there)")
+    if mode == "fa4" and not fa4_on_hopper():
+        pytest.skip(NEEDS_FA4)
     import json
     import subprocess
     import sys

@@ -26,6 +26,7 @@ from engine.kernels.attention import (
     prefill_fresh,
 )
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
+from tests.conftest import NEEDS_FA4, fa4_on_hopper
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -251,12 +252,6 @@ def test_decode_cuda_graph_replay_follows_new_lengths():
         assert_close(out, reference(**batch), torch.bfloat16)
 
 
-def _fa4_here() -> bool:
-    from engine.paged_attention import fa4_prefill_applies
-
-    return CUDA and fa4_prefill_applies(torch.device("cuda"), torch.bfloat16, 128)
-
-
 def _metadata(batch, fresh: bool):
     from engine.paged_attention import AttentionMetadata
 
@@ -267,7 +262,7 @@ def _metadata(batch, fresh: bool):
         max_query_len=int((query_start[1:] - query_start[:-1]).max()), max_seq_len=int(seq_lens.max()), fresh=fresh)
 
 
-@pytest.mark.skipif(not _fa4_here(), reason="needs flash-attn-4 on a Hopper GPU (bench/fa4_h100.sh carries it there)")
+@pytest.mark.skipif(not fa4_on_hopper(), reason=NEEDS_FA4)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64), (14, 14, 128)])
 def test_fa4_prompt_route_matches_reference(heads, kv_heads, head_dim):
     """The long-prompt route through flash-attn-4 (Attention._fa4), both ways: whole prompts from the
