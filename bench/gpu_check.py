@@ -42,12 +42,19 @@ ASYNC = True  # --sync: engines wait for step N's tokens before scheduling step 
 
 
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
 
 
 def emit(args, row: dict) -> None:
-    row.update(device_name=torch.cuda.get_device_name(), commit=_commit(), torch=torch.__version__,
-               date=datetime.datetime.now().isoformat(timespec="seconds"), command="python " + " ".join(sys.argv))
+    row.update(
+        device_name=torch.cuda.get_device_name(),
+        commit=_commit(),
+        torch=torch.__version__,
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        command="python " + " ".join(sys.argv),
+    )
     line = json.dumps(row)
     print("RESULT", line, flush=True)
     with open(args.out, "a") as f:
@@ -180,29 +187,64 @@ def mode_kernels(args) -> None:
             ours = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
             eager_s = cuda_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale))
             own_s = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)) or eager_s
-            row = {"mode": "kernel", "kernel": "decode", "timing": "cuda_graph", "batch": batch, "context": ctx,
-                   "heads": h, "kv_heads": kvh, "head_dim": d, "block_size": bs, "own_us": own_s * 1e6,
-                   "own_eager_us": eager_s * 1e6}
+            row = {
+                "mode": "kernel",
+                "kernel": "decode",
+                "timing": "cuda_graph",
+                "batch": batch,
+                "context": ctx,
+                "heads": h,
+                "kv_heads": kvh,
+                "head_dim": d,
+                "block_size": bs,
+                "own_us": own_s * 1e6,
+                "own_eager_us": eager_s * 1e6,
+            }
             kv_bytes = 2 * batch * ctx * kvh * d * 2
             row["bound_us"] = kv_bytes / hbm * 1e6
             row["own_hbm_fraction"] = kv_bytes / own_s / hbm
             if peer is not None:
                 cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-                kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
-                          max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
+                kw = dict(
+                    q=q,
+                    k=k_cache,
+                    v=v_cache,
+                    cu_seqlens_q=cu_q,
+                    max_seqlen_q=1,
+                    seqused_k=seq_lens,
+                    max_seqlen_k=ctx,
+                    softmax_scale=scale,
+                    causal=True,
+                    block_table=tables,
+                )
                 theirs = peer(**kw)
                 peer_eager_s = cuda_time(lambda: peer(**kw))
                 peer_s = graph_time(lambda: peer(**kw)) or peer_eager_s
-                row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_eager_us=peer_eager_s * 1e6,
-                           own_over_peer=own_s / peer_s, rel_diff=_rel_diff(ours, theirs))
+                row.update(
+                    peer=peer_name,
+                    peer_us=peer_s * 1e6,
+                    peer_eager_us=peer_eager_s * 1e6,
+                    own_over_peer=own_s / peer_s,
+                    rel_diff=_rel_diff(ours, theirs),
+                )
             if fa4 is not None:  # the same paged cache through its page table (no split-KV on Hopper)
                 cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-                kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
-                          page_table=tables, softmax_scale=scale, causal=True)
+                kw = dict(
+                    q=q,
+                    k=k_cache,
+                    v=v_cache,
+                    cu_seqlens_q=cu_q,
+                    max_seqlen_q=1,
+                    seqused_k=seq_lens,
+                    page_table=tables,
+                    softmax_scale=scale,
+                    causal=True,
+                )
                 theirs = fa4(**kw)
                 fa4_s = graph_time(lambda: fa4(**kw)) or cuda_time(lambda: fa4(**kw))
-                row.update(fa4=fa4_name, fa4_us=fa4_s * 1e6, own_over_fa4=own_s / fa4_s,
-                           fa4_rel_diff=_rel_diff(ours, theirs))
+                row.update(
+                    fa4=fa4_name, fa4_us=fa4_s * 1e6, own_over_fa4=own_s / fa4_s, fa4_rel_diff=_rel_diff(ours, theirs)
+                )
             emit(args, row)
     for ctx in (512, 2048, 8192, 32768):
         num_seqs = max(1, 16384 // ctx)  # about 16k new tokens per call, whole prompts (pure prefill)
@@ -217,31 +259,83 @@ def mode_kernels(args) -> None:
         k_new, v_new = (c[tables.long()].reshape(num_seqs * ctx, kvh, d) for c in (k_cache, v_cache))
         fresh = prefill_fresh(q, k_new, v_new, cu_q, scale, ctx)
         fresh_s = cuda_time(lambda: prefill_fresh(q, k_new, v_new, cu_q, scale, ctx), iters=10)
-        row = {"mode": "kernel", "kernel": "prefill", "num_seqs": num_seqs, "context": ctx, "heads": h,
-               "kv_heads": kvh, "head_dim": d, "block_size": bs, "own_us": own_s * 1e6,
-               "own_tflops": flops / own_s / 1e12, "own_matmul_fraction": flops / own_s / mm,
-               "fresh_us": fresh_s * 1e6, "fresh_tflops": flops / fresh_s / 1e12,
-               "fresh_vs_paged_diff": ((fresh.float() - ours.float()).abs().max() / ours.float().abs().max()).item()}
+        row = {
+            "mode": "kernel",
+            "kernel": "prefill",
+            "num_seqs": num_seqs,
+            "context": ctx,
+            "heads": h,
+            "kv_heads": kvh,
+            "head_dim": d,
+            "block_size": bs,
+            "own_us": own_s * 1e6,
+            "own_tflops": flops / own_s / 1e12,
+            "own_matmul_fraction": flops / own_s / mm,
+            "fresh_us": fresh_s * 1e6,
+            "fresh_tflops": flops / fresh_s / 1e12,
+            "fresh_vs_paged_diff": ((fresh.float() - ours.float()).abs().max() / ours.float().abs().max()).item(),
+        }
         if peer is not None:
-            kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=ctx, seqused_k=seq_lens,
-                      max_seqlen_k=ctx, softmax_scale=scale, causal=True, block_table=tables)
+            kw = dict(
+                q=q,
+                k=k_cache,
+                v=v_cache,
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=ctx,
+                seqused_k=seq_lens,
+                max_seqlen_k=ctx,
+                softmax_scale=scale,
+                causal=True,
+                block_table=tables,
+            )
             theirs = peer(**kw)
             peer_s = cuda_time(lambda: peer(**kw), iters=10)
-            row.update(peer=peer_name, peer_us=peer_s * 1e6, peer_tflops=flops / peer_s / 1e12,
-                       own_over_peer=own_s / peer_s, fresh_over_peer=fresh_s / peer_s, rel_diff=_rel_diff(ours, theirs))
+            row.update(
+                peer=peer_name,
+                peer_us=peer_s * 1e6,
+                peer_tflops=flops / peer_s / 1e12,
+                own_over_peer=own_s / peer_s,
+                fresh_over_peer=fresh_s / peer_s,
+                rel_diff=_rel_diff(ours, theirs),
+            )
         if fa4 is not None:  # through the paged cache, and from the step's own contiguous k/v as prefill_fresh
-            kw = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=ctx, seqused_k=seq_lens,
-                      page_table=tables, softmax_scale=scale, causal=True)
+            kw = dict(
+                q=q,
+                k=k_cache,
+                v=v_cache,
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=ctx,
+                seqused_k=seq_lens,
+                page_table=tables,
+                softmax_scale=scale,
+                causal=True,
+            )
             paged_theirs = fa4(**kw)
             fa4_paged_s = cuda_time(lambda: fa4(**kw), iters=10)
-            kw = dict(q=q, k=k_new, v=v_new, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=ctx,
-                      max_seqlen_k=ctx, softmax_scale=scale, causal=True)
+            kw = dict(
+                q=q,
+                k=k_new,
+                v=v_new,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_q,
+                max_seqlen_q=ctx,
+                max_seqlen_k=ctx,
+                softmax_scale=scale,
+                causal=True,
+            )
             theirs = fa4(**kw)
             fa4_s = cuda_time(lambda: fa4(**kw), iters=10)
-            row.update(fa4=fa4_name, fa4_us=fa4_s * 1e6, fa4_tflops=flops / fa4_s / 1e12,
-                       fa4_paged_us=fa4_paged_s * 1e6, fa4_paged_tflops=flops / fa4_paged_s / 1e12,
-                       fresh_over_fa4=fresh_s / fa4_s, own_over_fa4_paged=own_s / fa4_paged_s,
-                       fa4_rel_diff=_rel_diff(fresh, theirs), fa4_paged_rel_diff=_rel_diff(ours, paged_theirs))
+            row.update(
+                fa4=fa4_name,
+                fa4_us=fa4_s * 1e6,
+                fa4_tflops=flops / fa4_s / 1e12,
+                fa4_paged_us=fa4_paged_s * 1e6,
+                fa4_paged_tflops=flops / fa4_paged_s / 1e12,
+                fresh_over_fa4=fresh_s / fa4_s,
+                own_over_fa4_paged=own_s / fa4_paged_s,
+                fa4_rel_diff=_rel_diff(fresh, theirs),
+                fa4_paged_rel_diff=_rel_diff(ours, paged_theirs),
+            )
         emit(args, row)
 
 
@@ -271,9 +365,20 @@ def mode_decode_splits(args) -> None:
             times[splits] = t * 1e6 if t is not None else float("inf")
         best = min(times, key=times.get)
         default = decode_num_splits(batch, kvh)
-        emit(args, {"mode": "decode_splits", "batch": batch, "context": ctx, "ragged": ragged, "us": times,
-                    "best_splits": best, "default_splits": default, "default_over_best": times[default] / times[best],
-                    "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm})
+        emit(
+            args,
+            {
+                "mode": "decode_splits",
+                "batch": batch,
+                "context": ctx,
+                "ragged": ragged,
+                "us": times,
+                "best_splits": best,
+                "default_splits": default,
+                "default_over_best": times[default] / times[best],
+                "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm,
+            },
+        )
 
 
 def mode_prefill_tune(args) -> None:
@@ -283,8 +388,15 @@ def mode_prefill_tune(args) -> None:
     h, kvh, d, bs = 32, 8, 128, 16
     scale = d**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-             (128, 128, 8, 2)]
+    tiles = [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 128, 4, 2),
+        (128, 32, 4, 2),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+    ]
     for num_seqs, ctx in ((8, 2048), (2, 8192)):
         k_cache, v_cache, tables = _paged_cache(num_seqs, ctx, kvh, d, bs, gen)
         q = torch.randn(num_seqs * ctx, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -294,18 +406,28 @@ def mode_prefill_tune(args) -> None:
         ref = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx).float()
         for block_m, block_n, warps, stages in tiles:
             for fold in (False, True):
-                config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-                          "FOLD_SCALE": fold}
+                config = {
+                    "BLOCK_M": block_m,
+                    "BLOCK_N": block_n,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                    "FOLD_SCALE": fold,
+                }
                 row = {"mode": "prefill_tune", "num_seqs": num_seqs, "context": ctx, **config}
                 try:
                     out = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx, config=config)
-                    t = cuda_time(lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx,
-                                                        config=config), iters=10)
+                    t = cuda_time(
+                        lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx, config=config),
+                        iters=10,
+                    )
                 except Exception as exc:  # e.g. out of shared memory for a large tile
                     row["error"] = repr(exc)[:200]
                 else:
-                    row.update(us=t * 1e6, tflops=flops / t / 1e12,
-                               rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item())
+                    row.update(
+                        us=t * 1e6,
+                        tflops=flops / t / 1e12,
+                        rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item(),
+                    )
                 emit(args, row)
 
 
@@ -338,8 +460,13 @@ def mode_greedy(args) -> None:
     max_len = args.prompt_len + 256 + 16
     runs = {}
     for backend in ("torch", "triton"):
-        llm = _llm(LLAMA_8B, backend, eager=False, num_gpu_blocks_override=4 * (max_len // 16 + 1) + 16,
-                   max_model_len=max(1024, max_len))
+        llm = _llm(
+            LLAMA_8B,
+            backend,
+            eager=False,
+            num_gpu_blocks_override=4 * (max_len // 16 + 1) + 16,
+            max_model_len=max(1024, max_len),
+        )
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
         if backend == "triton":
             runs["triton_fa4"] = llm.engine.runner.fa4_min_tokens  # 0: the route is off here
@@ -348,9 +475,15 @@ def mode_greedy(args) -> None:
     for i, (ref, got) in enumerate(zip(runs["torch"], runs["triton"])):
         ref_ids, got_ids = ref.outputs[0].token_ids, got.outputs[0].token_ids
         first = next((j for j, (a, b) in enumerate(zip(ref_ids, got_ids)) if a != b), None)
-        row = {"mode": "greedy", "prompt": i, "prompt_len": args.prompt_len, "tokens": len(ref_ids),
-               "equal": first is None, "first_divergence": first,
-               "fa4_threshold": runs["triton_fa4"]}
+        row = {
+            "mode": "greedy",
+            "prompt": i,
+            "prompt_len": args.prompt_len,
+            "tokens": len(ref_ids),
+            "equal": first is None,
+            "first_divergence": first,
+            "fa4_threshold": runs["triton_fa4"],
+        }
         if first is not None:
             top = ref.outputs[0].logprobs[first].top
             # The torch backend's own top-2 margin at the divergence: a tie within bf16 rounding
@@ -382,14 +515,30 @@ def mode_workload(args) -> None:
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     allocator = {k: v - before[k] for k, v in _allocator_counts().items()}
-    compiled = {k: n - variants_before.get(k, 0) for k, n in compiled_variants().items() if n != variants_before.get(k, 0)}
+    compiled = {
+        k: n - variants_before.get(k, 0) for k, n in compiled_variants().items() if n != variants_before.get(k, 0)
+    }
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
-    emit(args, {"mode": "workload", "workload": args.name, "engine": "pagoda", "backend": args.backend,
-                "cuda_graphs": not args.eager, "async_scheduling": ASYNC, "elapsed_s": elapsed, "output_tokens": tokens,
-                "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
-                "prefill_overrides": engine_attention.PREFILL_OVERRIDES, "engine_kw": engine_kw,
-                "output_tok_s": tokens / elapsed, "load_s": load_s, "allocator": allocator,
-                "compiled_during_run": compiled})
+    emit(
+        args,
+        {
+            "mode": "workload",
+            "workload": args.name,
+            "engine": "pagoda",
+            "backend": args.backend,
+            "cuda_graphs": not args.eager,
+            "async_scheduling": ASYNC,
+            "elapsed_s": elapsed,
+            "output_tokens": tokens,
+            "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
+            "prefill_overrides": engine_attention.PREFILL_OVERRIDES,
+            "engine_kw": engine_kw,
+            "output_tok_s": tokens / elapsed,
+            "load_s": load_s,
+            "allocator": allocator,
+            "compiled_during_run": compiled,
+        },
+    )
 
 
 def _allocator_counts() -> dict:
@@ -403,9 +552,11 @@ def mode_gemms(args) -> None:
     """The decode steps' linear layers (W1: Llama-3-8B at 64 rows; W2: Qwen3-0.6B at 256 and 64
     rows) under each BLAS library torch can pick, graph timed, against the bytes they must read."""
     hbm, _ = measure_peaks()
-    shapes = {"w1": (64, [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]),
-              "w2": (256, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]),
-              "w2-64": (64, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)])}
+    shapes = {
+        "w1": (64, [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]),
+        "w2": (256, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]),
+        "w2-64": (64, [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]),
+    }
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (m, layers) in shapes.items():
         for k, n in layers:
@@ -435,8 +586,14 @@ def mode_transformers(args) -> None:
 
     def generate(n: int):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     generate(4)
     torch.cuda.synchronize()
@@ -445,8 +602,18 @@ def mode_transformers(args) -> None:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
-    emit(args, {"mode": "workload", "workload": "w1", "engine": "transformers", "version": transformers.__version__,
-                "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed})
+    emit(
+        args,
+        {
+            "mode": "workload",
+            "workload": "w1",
+            "engine": "transformers",
+            "version": transformers.__version__,
+            "elapsed_s": elapsed,
+            "output_tokens": tokens,
+            "output_tok_s": tokens / elapsed,
+        },
+    )
 
 
 def _step_times(llm, prompts: list[list[int]], max_tokens: int, timed_steps: int) -> list[float]:
@@ -481,12 +648,26 @@ def mode_roofline(args) -> None:
         times = _step_times(llm, _fixed_prompts(batch, 1024, seed=batch), max_tokens=40, timed_steps=32)
         step_s = statistics.median(times)
         moved = weight_bytes + batch * 1040 * kv_bytes_per_token  # weights + the cached context read once
-        emit(args, {"mode": "roofline", "phase": "decode", "batch": batch, "context": 1024, "backend": args.backend,
-                    "cuda_graphs": not args.eager, "step_ms": step_s * 1e3, "bytes_moved": moved,
-                    "hbm_fraction_measured": moved / step_s / hbm, "hbm_fraction_spec": moved / step_s / HBM_SPEC})
+        emit(
+            args,
+            {
+                "mode": "roofline",
+                "phase": "decode",
+                "batch": batch,
+                "context": 1024,
+                "backend": args.backend,
+                "cuda_graphs": not args.eager,
+                "step_ms": step_s * 1e3,
+                "bytes_moved": moved,
+                "hbm_fraction_measured": moved / step_s / hbm,
+                "hbm_fraction_spec": moved / step_s / HBM_SPEC,
+            },
+        )
     # Prefill: 8 prompts of 1024 tokens scheduled in one 8192-token step.
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight")) + \
-        cfg.vocab_size * cfg.hidden_size / 1024  # lm_head runs for the 8 sampled rows only
+    matmul_params = (
+        sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+        + cfg.vocab_size * cfg.hidden_size / 1024
+    )  # lm_head runs for the 8 sampled rows only
     for _ in range(2):  # the first compiles the prefill kernels for this shape
         from engine import SamplingParams
 
@@ -501,9 +682,20 @@ def mode_roofline(args) -> None:
             llm.engine.step()
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 8 * 1024 * 1025 / 2
     flops = 2 * matmul_params * 8192 + attn_flops
-    emit(args, {"mode": "roofline", "phase": "prefill", "tokens": 8192, "backend": args.backend,
-                "cuda_graphs": not args.eager, "step_ms": step_s * 1e3, "flops": flops,
-                "tflops": flops / step_s / 1e12, "matmul_fraction": flops / step_s / mm})
+    emit(
+        args,
+        {
+            "mode": "roofline",
+            "phase": "prefill",
+            "tokens": 8192,
+            "backend": args.backend,
+            "cuda_graphs": not args.eager,
+            "step_ms": step_s * 1e3,
+            "flops": flops,
+            "tflops": flops / step_s / 1e12,
+            "matmul_fraction": flops / step_s / mm,
+        },
+    )
 
 
 def mode_long_prompt(args) -> None:
@@ -525,8 +717,14 @@ def mode_long_prompt(args) -> None:
     (model / "config.json").write_text(json.dumps(config))
     # The engine's threshold at 1,024 tokens, so that every length here can take either route.
     for budget, lengths in ((32768, (1024, 2048, 4096, 8192, 16384, 32768)), (2048, (8192,)), (8192, (32768,))):
-        llm = _llm(str(model), args.backend, True, max_num_batched_tokens=budget, max_model_len=32768 + 64,
-                   fa4_prefill_min_tokens=1024)
+        llm = _llm(
+            str(model),
+            args.backend,
+            True,
+            max_num_batched_tokens=budget,
+            max_model_len=32768 + 64,
+            fa4_prefill_min_tokens=1024,
+        )
         runner = llm.engine.runner
         if not runner.fa4_min_tokens:
             print("flash-attn-4 does not import here: nothing to compare")
@@ -538,14 +736,24 @@ def mode_long_prompt(args) -> None:
                     for attn in layers:
                         attn.fa4_min_tokens = runner.fa4_min_tokens if route == "fa4" else 0
                     prompt = _fixed_prompts(1, n, seed=10_000 * rep + n + (route == "fa4"))[0]
-                    llm.engine.add_request(f"{route}-{n}-{rep}-{budget}", prompt,
-                                           SamplingParams(temperature=0.0, max_tokens=1))
+                    llm.engine.add_request(
+                        f"{route}-{n}-{rep}-{budget}", prompt, SamplingParams(temperature=0.0, max_tokens=1)
+                    )
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     while llm.engine.has_unfinished_requests():
                         llm.engine.step()
-                    emit(args, {"mode": "long_prompt", "route": route, "prompt_tokens": n, "step_budget": budget,
-                                "rep": rep, "ttft_ms": (time.perf_counter() - t0) * 1e3})
+                    emit(
+                        args,
+                        {
+                            "mode": "long_prompt",
+                            "route": route,
+                            "prompt_tokens": n,
+                            "step_budget": budget,
+                            "rep": rep,
+                            "ttft_ms": (time.perf_counter() - t0) * 1e3,
+                        },
+                    )
         del llm, runner, layers
         torch.cuda.empty_cache()
 
@@ -563,8 +771,9 @@ def mode_profile(args) -> None:
     llm = _llm(model, args.backend, args.eager)
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, outs)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                                      output_kind="final_only"))  # as LLM.generate does
+        engine.add_request(
+            f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind="final_only")
+        )  # as LLM.generate does
     profiler = cProfile.Profile()
     walls, step = [], 0
     first, last = (20, 120) if args.name == "w1" else (100, 400)
@@ -575,8 +784,9 @@ def mode_profile(args) -> None:
             profiler.enable()
         if step == last:
             profiler.disable()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
                 t0 = time.perf_counter()
                 for i in range(10):
                     with torch.profiler.record_function(f"engine.step {step + i}"):
@@ -597,10 +807,21 @@ def mode_profile(args) -> None:
     print(text.getvalue())
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
     device_us = sum(e.self_device_time_total for e in prof.key_averages())
-    emit(args, {"mode": "profile", "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
-                "async_scheduling": ASYNC,
-                "steps": step, "step_ms_median": statistics.median(walls) * 1e3, "total_s": sum(walls),
-                "traced_steps_wall_ms": traced_wall * 1e3, "traced_steps_device_ms": device_us / 1e3})
+    emit(
+        args,
+        {
+            "mode": "profile",
+            "workload": args.name,
+            "backend": args.backend,
+            "cuda_graphs": not args.eager,
+            "async_scheduling": ASYNC,
+            "steps": step,
+            "step_ms_median": statistics.median(walls) * 1e3,
+            "total_s": sum(walls),
+            "traced_steps_wall_ms": traced_wall * 1e3,
+            "traced_steps_device_ms": device_us / 1e3,
+        },
+    )
 
 
 def _workload(name: str):
@@ -611,10 +832,16 @@ def _workload(name: str):
 
 
 def _engine_kw(args) -> dict:
-    return {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                              ("max_num_batched_tokens", args.max_num_batched_tokens),
-                              ("max_prefill_graph_tokens", args.max_prefill_graph_tokens),
-                              ("gpu_memory_utilization", args.gpu_memory_utilization)) if v is not None}
+    return {
+        k: v
+        for k, v in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("max_prefill_graph_tokens", args.max_prefill_graph_tokens),
+            ("gpu_memory_utilization", args.gpu_memory_utilization),
+        )
+        if v is not None
+    }
 
 
 def mode_timeline(args) -> None:
@@ -627,8 +854,9 @@ def mode_timeline(args) -> None:
     llm = _llm(model, args.backend, args.eager, **_engine_kw(args))
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, outs)):
-        engine.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                                      output_kind="final_only"))
+        engine.add_request(
+            f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind="final_only")
+        )
     cfg = engine.runner.model.config
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V, every layer
     rows = []
@@ -641,8 +869,9 @@ def mode_timeline(args) -> None:
         st = engine.last_step
         # The KV a decode step reads: the running sequences' cached tokens (give or take the step in flight).
         context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
-        rows.append((time.perf_counter() - t0, st.num_batched_tokens, st.num_prefill_tokens,
-                     st.num_generated_tokens, context))
+        rows.append(
+            (time.perf_counter() - t0, st.num_batched_tokens, st.num_prefill_tokens, st.num_generated_tokens, context)
+        )
     total = time.perf_counter() - start
     buckets: dict[str, list] = {}
     for row in rows:
@@ -652,18 +881,40 @@ def mode_timeline(args) -> None:
         else:
             key = next(f"decode<={b}" for b in (1, 8, 32, 64, 128, 256, 1 << 30) if batched <= b)
         buckets.setdefault(key, []).append(row)
-    summary = {k: {"steps": len(v), "wall_s": sum(r[0] for r in v), "step_ms_median": statistics.median(r[0] for r in v) * 1e3,
-                   "tokens": sum(r[1] for r in v), "prefill_tokens": sum(r[2] for r in v),
-                   "generated": sum(r[3] for r in v), "kv_read_tb": sum(r[4] for r in v) * kv_per_token / 1e12,
-                   "kv_tb_per_s": sum(r[4] for r in v) * kv_per_token / 1e12 / sum(r[0] for r in v)}
-               for k, v in sorted(buckets.items())}
+    summary = {
+        k: {
+            "steps": len(v),
+            "wall_s": sum(r[0] for r in v),
+            "step_ms_median": statistics.median(r[0] for r in v) * 1e3,
+            "tokens": sum(r[1] for r in v),
+            "prefill_tokens": sum(r[2] for r in v),
+            "generated": sum(r[3] for r in v),
+            "kv_read_tb": sum(r[4] for r in v) * kv_per_token / 1e12,
+            "kv_tb_per_s": sum(r[4] for r in v) * kv_per_token / 1e12 / sum(r[0] for r in v),
+        }
+        for k, v in sorted(buckets.items())
+    }
     for k, v in summary.items():
-        print(f"{k:14s} {v['steps']:6d} steps {v['wall_s']:7.3f} s  median {v['step_ms_median']:7.2f} ms  "
-              f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d} "
-              f"KV {v['kv_read_tb']:6.2f} TB at {v['kv_tb_per_s']:5.2f} TB/s")
-    emit(args, {"mode": "timeline", "engine_kw": _engine_kw(args), "workload": args.name, "backend": args.backend, "cuda_graphs": not args.eager,
-                "async_scheduling": ASYNC, "total_s": total, "steps": len(rows), "buckets": summary,
-                "allocator": {k: v - before[k] for k, v in _allocator_counts().items()}})
+        print(
+            f"{k:14s} {v['steps']:6d} steps {v['wall_s']:7.3f} s  median {v['step_ms_median']:7.2f} ms  "
+            f"tokens {v['tokens']:8d} prefill {v['prefill_tokens']:8d} generated {v['generated']:7d} "
+            f"KV {v['kv_read_tb']:6.2f} TB at {v['kv_tb_per_s']:5.2f} TB/s"
+        )
+    emit(
+        args,
+        {
+            "mode": "timeline",
+            "engine_kw": _engine_kw(args),
+            "workload": args.name,
+            "backend": args.backend,
+            "cuda_graphs": not args.eager,
+            "async_scheduling": ASYNC,
+            "total_s": total,
+            "steps": len(rows),
+            "buckets": summary,
+            "allocator": {k: v - before[k] for k, v in _allocator_counts().items()},
+        },
+    )
 
 
 def mode_ttft(args) -> None:
@@ -727,32 +978,72 @@ def mode_ttft(args) -> None:
     engine.abort_request("busy")
     while engine.has_unfinished_requests():
         engine.step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         traced = first_token(99)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
     device_us = sum(e.self_device_time_total for e in prof.key_averages())
-    emit(args, {"mode": "ttft", "engine_kw": _engine_kw(args), "backend": args.backend, "cuda_graphs": not args.eager, "async_scheduling": ASYNC,
-                "prompt_tokens": 512, "ttft_ms_median": statistics.median(times) * 1e3,
-                "ttft_ms": [round(t * 1e3, 2) for t in times], "traced_wall_ms": traced * 1e3,
-                "launch_ms_sorted": [round(t, 2) for t in launch_ms], "launch_ms_behind_50ms_sleep": busy,
-                "traced_device_ms": device_us / 1e3})
+    emit(
+        args,
+        {
+            "mode": "ttft",
+            "engine_kw": _engine_kw(args),
+            "backend": args.backend,
+            "cuda_graphs": not args.eager,
+            "async_scheduling": ASYNC,
+            "prompt_tokens": 512,
+            "ttft_ms_median": statistics.median(times) * 1e3,
+            "ttft_ms": [round(t * 1e3, 2) for t in times],
+            "traced_wall_ms": traced * 1e3,
+            "launch_ms_sorted": [round(t, 2) for t in launch_ms],
+            "launch_ms_behind_50ms_sleep": busy,
+            "traced_device_ms": device_us / 1e3,
+        },
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["peaks", "kernels", "decode-splits", "prefill-tune", "greedy", "workload",
-                                         "transformers", "roofline", "profile", "timeline", "ttft", "gemms",
-                                         "long-prompt"])
+    parser.add_argument(
+        "mode",
+        choices=[
+            "peaks",
+            "kernels",
+            "decode-splits",
+            "prefill-tune",
+            "greedy",
+            "workload",
+            "transformers",
+            "roofline",
+            "profile",
+            "timeline",
+            "ttft",
+            "gemms",
+            "long-prompt",
+        ],
+    )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--sync", dest="async_scheduling", action="store_false",
-                        help="no async scheduling (the engine default on CUDA is async)")
-    parser.add_argument("--programs-per-sm", type=int, default=None,
-                        help="decode split count target (engine.kernels.attention.DECODE_PROGRAMS_PER_SM)")
-    parser.add_argument("--prefill-tiles", default=None, metavar="M,N,WARPS",
-                        help="prefill kernel BLOCK_M,BLOCK_N,num_warps for every call (workload mode)")
+    parser.add_argument(
+        "--sync",
+        dest="async_scheduling",
+        action="store_false",
+        help="no async scheduling (the engine default on CUDA is async)",
+    )
+    parser.add_argument(
+        "--programs-per-sm",
+        type=int,
+        default=None,
+        help="decode split count target (engine.kernels.attention.DECODE_PROGRAMS_PER_SM)",
+    )
+    parser.add_argument(
+        "--prefill-tiles",
+        default=None,
+        metavar="M,N,WARPS",
+        help="prefill kernel BLOCK_M,BLOCK_N,num_warps for every call (workload mode)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
@@ -763,8 +1054,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
-        args.out = os.path.join(os.environ["OUT"], "gpu_check.jsonl") if os.environ.get("OUT") else \
-            str(ROOT / "bench/results/gpu_check-h100.jsonl")
+        args.out = (
+            os.path.join(os.environ["OUT"], "gpu_check.jsonl")
+            if os.environ.get("OUT")
+            else str(ROOT / "bench/results/gpu_check-h100.jsonl")
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     global ASYNC
     ASYNC = args.async_scheduling
@@ -777,10 +1071,21 @@ def main() -> None:
 
         m, n, warps = (int(x) for x in args.prefill_tiles.split(","))
         engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
-    {"peaks": mode_peaks, "kernels": mode_kernels, "decode-splits": mode_decode_splits, "prefill-tune": mode_prefill_tune, "greedy": mode_greedy, "workload": mode_workload,
-     "transformers": mode_transformers, "roofline": mode_roofline, "profile": mode_profile,
-     "long-prompt": mode_long_prompt,
-     "timeline": mode_timeline, "ttft": mode_ttft, "gemms": mode_gemms}[args.mode](args)
+    {
+        "peaks": mode_peaks,
+        "kernels": mode_kernels,
+        "decode-splits": mode_decode_splits,
+        "prefill-tune": mode_prefill_tune,
+        "greedy": mode_greedy,
+        "workload": mode_workload,
+        "transformers": mode_transformers,
+        "roofline": mode_roofline,
+        "profile": mode_profile,
+        "long-prompt": mode_long_prompt,
+        "timeline": mode_timeline,
+        "ttft": mode_ttft,
+        "gemms": mode_gemms,
+    }[args.mode](args)
 
 
 if __name__ == "__main__":

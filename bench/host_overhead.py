@@ -53,18 +53,44 @@ from engine import LLM, SamplingParams
 # Qwen3 at a tiny size (one layer, 4 query and 2 KV heads of 8): W2's request shapes, a cheap forward.
 # W2's token ids are below 10,000.
 TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-    "head_dim": 8, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
-    "max_position_embeddings": 4096, "num_attention_heads": 4, "num_hidden_layers": 1,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": True,
-    "torch_dtype": "float32", "use_sliding_window": False, "vocab_size": 10240, "eos_token_id": 0,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "use_sliding_window": False,
+    "vocab_size": 10240,
+    "eos_token_id": 0,
 }
 # About what the H100's pool holds for Qwen3-0.6B at gpu_memory_utilization 0.9 (~114 KiB of KV a token).
 NUM_BLOCKS = 32768
 # Components that are device work on a GPU; everything else in a step is host work.
 DEVICE_PARTS = ("forward", "logits", "sampler_device")
-PARTS = ("host", "schedule", "metadata", "runner_other", "sampler_prep", "engine_launch_other", "collect",
-         "name_blocks", "engine_complete_other", "gc", "forward", "logits", "sampler_device")
+PARTS = (
+    "host",
+    "schedule",
+    "metadata",
+    "runner_other",
+    "sampler_prep",
+    "engine_launch_other",
+    "collect",
+    "name_blocks",
+    "engine_complete_other",
+    "gc",
+    "forward",
+    "logits",
+    "sampler_device",
+)
 
 
 class StepTimer:
@@ -147,12 +173,18 @@ def _finish(r: dict, batched: int, prefill: int, generated: int, num_seqs: int) 
     r = defaultdict(float, r)
     sampler_device = r["sampler"] - r["sampler_prep"]
     out = {
-        "schedule": r["schedule"], "metadata": r["metadata"], "sampler_prep": r["sampler_prep"],
+        "schedule": r["schedule"],
+        "metadata": r["metadata"],
+        "sampler_prep": r["sampler_prep"],
         "runner_other": r["runner"] - r["metadata"] - r["forward"] - r["logits"] - r["sampler"],
         "engine_launch_other": r["launch"] - r["schedule"] - r["runner"],
-        "collect": r["collect"], "name_blocks": r["name_blocks"],
+        "collect": r["collect"],
+        "name_blocks": r["name_blocks"],
         "engine_complete_other": r["complete"] - r["collect"] - r["name_blocks"],
-        "forward": r["forward"], "logits": r["logits"], "sampler_device": sampler_device, "gc": r["gc"],
+        "forward": r["forward"],
+        "logits": r["logits"],
+        "sampler_device": sampler_device,
+        "gc": r["gc"],
     }
     out["host"] = r["launch"] + r["complete"] - r["forward"] - r["logits"] - sampler_device
     row = {k: v * 1e3 for k, v in out.items()}
@@ -169,8 +201,16 @@ def kind_of(row: dict) -> str | None:
 
 
 def make_llm(model_dir: str, async_scheduling: bool) -> LLM:
-    return LLM(model_dir, load_format="dummy", dtype="float32", device="cpu", max_num_seqs=256,
-               max_num_batched_tokens=8192, num_gpu_blocks_override=NUM_BLOCKS, async_scheduling=async_scheduling)
+    return LLM(
+        model_dir,
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        async_scheduling=async_scheduling,
+    )
 
 
 def run_w2(timer: StepTimer, run: int, profile_kinds: dict | None = None) -> tuple[list[dict], dict]:
@@ -185,6 +225,7 @@ def run_w2(timer: StepTimer, run: int, profile_kinds: dict | None = None) -> tup
     timer.gc_seconds, timer.gc_full = 0.0, 0
     step = engine.step
     if profile_kinds is not None:
+
         def profiled_step():
             # The kind of the step a call completes is known only afterwards: profile every call and
             # keep it under that kind.
@@ -204,9 +245,13 @@ def run_w2(timer: StepTimer, run: int, profile_kinds: dict | None = None) -> tup
     finally:
         if profile_kinds is not None:
             del engine.step  # back to the class's method
-    totals = {"steps": len(timer.records), "wall_s": time.perf_counter() - start,
-              "host_s": sum(r["host"] for r in timer.records) / 1e3,
-              "gc_ms": timer.gc_seconds * 1e3, "gc_full": timer.gc_full}
+    totals = {
+        "steps": len(timer.records),
+        "wall_s": time.perf_counter() - start,
+        "host_s": sum(r["host"] for r in timer.records) / 1e3,
+        "gc_ms": timer.gc_seconds * 1e3,
+        "gc_full": timer.gc_full,
+    }
     return timer.records, totals
 
 
@@ -215,8 +260,10 @@ def summarize(records: list[dict]) -> dict[str, dict[str, float]]:
     for row in records:
         if (kind := kind_of(row)) is not None:
             by_kind[kind].append(row)
-    return {kind: {"steps": len(rows), **{p: statistics.median(r[p] for r in rows) for p in PARTS}}
-            for kind, rows in sorted(by_kind.items())}
+    return {
+        kind: {"steps": len(rows), **{p: statistics.median(r[p] for r in rows) for p in PARTS}}
+        for kind, rows in sorted(by_kind.items())
+    }
 
 
 def print_tables(summary: dict[str, dict[str, float]], totals: list[dict]) -> None:
@@ -228,7 +275,10 @@ def print_tables(summary: dict[str, dict[str, float]], totals: list[dict]) -> No
         print(f"{label:24s}" + "".join(f"{summary[k][part]:14.2f}" for k in kinds))
     print(f"\n{'whole runs':24s}{'steps':>8s}{'wall s':>9s}{'host s':>9s}{'gc ms':>9s}{'full gc':>9s}")
     for i, t in enumerate(totals):
-        print(f"{'run ' + str(i):24s}{t['steps']:8d}{t['wall_s']:9.2f}{t['host_s']:9.2f}{t['gc_ms']:9.1f}{t['gc_full']:9d}")
+        print(
+            f"{'run ' + str(i):24s}{t['steps']:8d}{t['wall_s']:9.2f}{t['host_s']:9.2f}"
+            f"{t['gc_ms']:9.1f}{t['gc_full']:9d}"
+        )
 
 
 def main() -> None:
@@ -264,11 +314,20 @@ def main() -> None:
                 stats.sort_stats("tottime").print_stats(25)
                 print(text.getvalue())
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT, check=False).stdout.strip()
-        row = {"label": args.label, "summary": summary, "totals": totals, "runs": args.runs, "async_scheduling": not args.sync,
-               "commit": commit, "machine": platform.processor() or platform.machine(),
-               "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": "python " + " ".join(sys.argv)}
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+        ).stdout.strip()
+        row = {
+            "label": args.label,
+            "summary": summary,
+            "totals": totals,
+            "runs": args.runs,
+            "async_scheduling": not args.sync,
+            "commit": commit,
+            "machine": platform.processor() or platform.machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": "python " + " ".join(sys.argv),
+        }
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -55,8 +55,12 @@ import numpy as np
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "jargon-file-4.4.7.txt"
 SLO_METRICS = ("ttft", "tpot", "e2el")
-LATENCY_METRICS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-                   ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
+LATENCY_METRICS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
 
 
 # ----- tokenizers: the server's own, or a local one -----
@@ -127,8 +131,15 @@ def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) ->
     return rng.integers(low, high + 1, size=n)
 
 
-def random_dataset(num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
-                   token_range: tuple[int, int] = (1000, 20000), tokenizer: Tokenizer | None = None) -> list[Prompt]:
+def random_dataset(
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    token_range: tuple[int, int] = (1000, 20000),
+    tokenizer: Tokenizer | None = None,
+) -> list[Prompt]:
     """`num` prompts of random token ids; decoded to text when a tokenizer is given (for chat).
 
     Ids come from token_range, below the vocabulary of any model in use and past the special tokens most
@@ -171,8 +182,9 @@ def load_corpus(path: Path) -> list[str]:
     return paragraphs
 
 
-def corpus_dataset(num: int, input_len: int, output_len: int, tokenizer: Tokenizer, seed: int = 0,
-                   path: Path = DEFAULT_CORPUS) -> list[Prompt]:
+def corpus_dataset(
+    num: int, input_len: int, output_len: int, tokenizer: Tokenizer, seed: int = 0, path: Path = DEFAULT_CORPUS
+) -> list[Prompt]:
     """`num` passages of the corpus, each starting at a random paragraph and cut to `input_len` tokens.
 
     The passage is sent as text (so the server's tokenizer is part of what is measured); re-encoding the cut
@@ -326,8 +338,13 @@ class RunConfig:
 
 
 def build_payload(config: RunConfig, prompt: Prompt) -> dict:
-    body: dict[str, Any] = {"model": config.model, "stream": True, "stream_options": {"include_usage": True},
-                            "temperature": config.temperature, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": config.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": config.temperature,
+        "ignore_eos": True,
+    }
     if "chat" in config.endpoint:
         text = prompt.prompt if isinstance(prompt.prompt, str) else ""
         body.update(messages=[{"role": "user", "content": text}], max_completion_tokens=prompt.output_len)
@@ -336,8 +353,9 @@ def build_payload(config: RunConfig, prompt: Prompt) -> dict:
     return {**body, **config.extra_body}
 
 
-async def run_requests(client: httpx.AsyncClient, prompts: list[Prompt],
-                       config: RunConfig) -> tuple[list[RequestResult], float, int]:
+async def run_requests(
+    client: httpx.AsyncClient, prompts: list[Prompt], config: RunConfig
+) -> tuple[list[RequestResult], float, int]:
     """Issue the requests on their arrival schedule; (results in issue order, duration in s, peak in flight).
 
     Arrival times are absolute offsets from the start, so a request held back by --max-concurrency does not
@@ -347,8 +365,13 @@ async def run_requests(client: httpx.AsyncClient, prompts: list[Prompt],
 
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     gaps = inter_arrival_times(config.request_rate, config.burstiness, config.seed)
-    progress = tqdm(total=None if config.duration else len(prompts), unit="req", disable=config.disable_tqdm,
-                    file=sys.stderr, desc=f"c={config.max_concurrency or 'inf'}")
+    progress = tqdm(
+        total=None if config.duration else len(prompts),
+        unit="req",
+        disable=config.disable_tqdm,
+        file=sys.stderr,
+        desc=f"c={config.max_concurrency or 'inf'}",
+    )
     in_flight, peak = 0, 0
 
     async def one(prompt: Prompt) -> RequestResult:
@@ -399,8 +422,12 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, float | N
     return out
 
 
-def compute_metrics(results: list[RequestResult], duration: float, goodput_slos: dict[str, float] | None = None,
-                    percentiles: list[float] = (90, 95, 99)) -> dict[str, Any]:
+def compute_metrics(
+    results: list[RequestResult],
+    duration: float,
+    goodput_slos: dict[str, float] | None = None,
+    percentiles: list[float] = (90, 95, 99),
+) -> dict[str, Any]:
     """vllm bench serve's metrics over one run. goodput_slos: {"ttft"|"tpot"|"e2el": milliseconds}."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
@@ -423,10 +450,12 @@ def compute_metrics(results: list[RequestResult], duration: float, goodput_slos:
         # With ignore_eos and max_tokens every completion_tokens must equal max_tokens.
         "usage_missing": sum(not r.usage_reported for r in ok),
         "usage_vs_max_tokens_mismatches": sum(r.output_tokens != r.max_tokens for r in ok),
-        "tokenizer_count_mismatches": sum(r.tokenizer_output_tokens is not None
-                                          and r.tokenizer_output_tokens != r.output_tokens for r in ok),
+        "tokenizer_count_mismatches": sum(
+            r.tokenizer_output_tokens is not None and r.tokenizer_output_tokens != r.output_tokens for r in ok
+        ),
     }
     if goodput_slos:
+
         def good(r: RequestResult) -> bool:
             value = {"ttft": r.ttft, "tpot": tpot_of[id(r)], "e2el": r.e2el}
             return all(value[k] * 1000.0 <= slo for k, slo in goodput_slos.items())
@@ -504,15 +533,19 @@ def format_summary(run: dict, title: str = "Serving Benchmark Result") -> str:
 
 
 def format_sweep(runs: list[dict]) -> str:
-    header = f"{'conc':>6} {'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} " \
-             f"{'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'ITL p50':>9}"
+    header = (
+        f"{'conc':>6} {'rate':>6} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+        f"{'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'ITL p50':>9}"
+    )
     lines = [header]
     for run in runs:
         m = run["metrics"]
-        lines.append(f"{run['max_concurrency'] or 'inf'!s:>6} {run['request_rate']:>6} {m['completed']:>5} "
-                     f"{m['failed']:>5} {m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} "
-                     f"{_fmt(m['median_ttft_ms'], 1):>9} {_fmt(m.get('p95_ttft_ms'), 1):>9} "
-                     f"{_fmt(m['median_tpot_ms'], 1):>9} {_fmt(m['median_itl_ms'], 1):>9}")
+        lines.append(
+            f"{run['max_concurrency'] or 'inf'!s:>6} {run['request_rate']:>6} {m['completed']:>5} "
+            f"{m['failed']:>5} {m['request_throughput']:>8.2f} {m['output_throughput']:>10.1f} "
+            f"{_fmt(m['median_ttft_ms'], 1):>9} {_fmt(m.get('p95_ttft_ms'), 1):>9} "
+            f"{_fmt(m['median_tpot_ms'], 1):>9} {_fmt(m['median_itl_ms'], 1):>9}"
+        )
     return "\n".join(lines)
 
 
@@ -545,8 +578,14 @@ def plot_results(files: list[dict], out: Path, title: str | None = None) -> Path
         ax_tok.plot(x, series("median_tpot_ms"), "o-", color=color, label=f"{label} TPOT p50")
         ax_tok.plot(x, series("median_itl_ms"), "s:", color=color, label=f"{label} ITL p50")
         for r, xi, yi in zip(runs, x, series("median_ttft_ms"), strict=True):
-            ax_ttft.annotate(f"c={r['max_concurrency'] or 'inf'}", (xi, yi), textcoords="offset points",
-                             xytext=(4, 4), fontsize=7, color=color)
+            ax_ttft.annotate(
+                f"c={r['max_concurrency'] or 'inf'}",
+                (xi, yi),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=color,
+            )
     for ax, name in ((ax_ttft, "time to first token (ms)"), (ax_tok, "per-token latency (ms)")):
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(name)
@@ -599,34 +638,66 @@ def _slos(items: list[str] | None) -> dict[str, float] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagoda bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="pagoda bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is "
-                        "fine); default http://HOST:PORT")
+    target.add_argument(
+        "--base-url",
+        default=None,
+        help="the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine); default http://HOST:PORT",
+    )
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000)
     target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     target.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    target.add_argument("--label", default=None, help="server label for results and plots (default: the "
-                        "server's owned_by from /v1/models, e.g. pagoda or vllm)")
-    target.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer (directory or cached "
-                        "id); default: the server's /tokenize and /detokenize")
+    target.add_argument(
+        "--label",
+        default=None,
+        help="server label for results and plots (default: the server's owned_by from /v1/models, e.g. pagoda or vllm)",
+    )
+    target.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a local Hugging Face tokenizer (directory or cached id); default: the server's /tokenize and /detokenize",
+    )
     target.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
 
     load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=1000, help="requests per run (with --duration: the pool "
-                      "of prompts cycled through)")
-    load.add_argument("--duration", type=float, default=None, help="issue requests for this many seconds instead "
-                      "of --num-prompts (then wait for those in flight)")
+    load.add_argument(
+        "--num-prompts",
+        type=int,
+        default=1000,
+        help="requests per run (with --duration: the pool of prompts cycled through)",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="issue requests for this many seconds instead of --num-prompts (then wait for those in flight)",
+    )
     load.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival times: "
-                      "1 Poisson, <1 burstier, >1 more even")
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the inter-arrival times: 1 Poisson, <1 burstier, >1 more even",
+    )
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    load.add_argument("--sweep-concurrency", default=None, metavar="C1,C2,...", help="one run per concurrency, "
-                      "each with its own prompts (seed + index, so a prefix cache gains nothing across runs)")
-    load.add_argument("--prompts-per-concurrency", type=int, default=0, metavar="K",
-                      help="with a concurrency C: at least K x C requests (so every level runs K rounds)")
+    load.add_argument(
+        "--sweep-concurrency",
+        default=None,
+        metavar="C1,C2,...",
+        help="one run per concurrency, "
+        "each with its own prompts (seed + index, so a prefix cache gains nothing across runs)",
+    )
+    load.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with a concurrency C: at least K x C requests (so every level runs K rounds)",
+    )
     load.add_argument("--num-warmups", type=int, default=0, help="warm-up requests before measuring (not counted)")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--temperature", type=float, default=0.0)
@@ -637,35 +708,63 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset-name", "--dataset", default="random", choices=["random", "corpus"])
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in "
-                      "[len * (1 - r), len * (1 + r)], 0 <= r < 1")
-    data.add_argument("--random-token-range", default="1000,20000", metavar="LO,HI", help="token ids drawn from "
-                      "[LO, HI)")
-    data.add_argument("--corpus-file", type=Path, default=DEFAULT_CORPUS, help="text (or .gz) for --dataset-name "
-                      "corpus; default: the Jargon File excerpt in bench/data")
+    data.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1",
+    )
+    data.add_argument(
+        "--random-token-range", default="1000,20000", metavar="LO,HI", help="token ids drawn from [LO, HI)"
+    )
+    data.add_argument(
+        "--corpus-file",
+        type=Path,
+        default=DEFAULT_CORPUS,
+        help="text (or .gz) for --dataset-name corpus; default: the Jargon File excerpt in bench/data",
+    )
     data.add_argument("--input-len", type=int, default=512, help="corpus passage length, tokens")
     data.add_argument("--output-len", type=int, default=128, help="corpus output length, tokens")
 
     out = parser.add_argument_group("results")
-    out.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50 "
-                     "e2el:10000; goodput counts the requests meeting all")
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs, e.g. ttft:500 tpot:50 e2el:10000; goodput counts the requests meeting all",
+    )
     out.add_argument("--metric-percentiles", default="90,95,99", help="percentiles reported besides the median")
     out.add_argument("--result-file", type=Path, default=None, help="write the results JSON here")
-    out.add_argument("--result-dir", type=Path, default=None, help="write the results JSON here, named by label, "
-                     "dataset and load")
+    out.add_argument(
+        "--result-dir", type=Path, default=None, help="write the results JSON here, named by label, dataset and load"
+    )
     out.add_argument("--skip-token-check", action="store_true", help="no tokenizer count of the streamed outputs")
-    out.add_argument("--save-detailed", action="store_true", help="per-request details (timings, ITLs, text, "
-                     "errors) in the JSON")
-    out.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot this run's latency vs "
-                     "throughput (with --plot-with files as more curves)")
-    out.add_argument("--plot-with", nargs="+", default=[], metavar="RESULT.json", help="other result files to draw "
-                     "with --plot (e.g. a vllm sweep)")
+    out.add_argument(
+        "--save-detailed", action="store_true", help="per-request details (timings, ITLs, text, errors) in the JSON"
+    )
+    out.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="plot this run's latency vs throughput (with --plot-with files as more curves)",
+    )
+    out.add_argument(
+        "--plot-with",
+        nargs="+",
+        default=[],
+        metavar="RESULT.json",
+        help="other result files to draw with --plot (e.g. a vllm sweep)",
+    )
     return parser
 
 
 def build_plot_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda bench serve plot", description="Latency vs output throughput "
-                                     "from result files of bench/latency.py, one curve per file.")
+    parser = argparse.ArgumentParser(
+        prog="pagoda bench serve plot",
+        description="Latency vs output throughput from result files of bench/latency.py, one curve per file.",
+    )
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--title", default=None)
@@ -678,8 +777,9 @@ def _server_info(base_url: str, headers: dict[str, str]) -> dict[str, Any]:
     try:
         with httpx.Client(base_url=base_url, headers=headers, timeout=10, trust_env=False) as client:
             models = client.get("/v1/models").json()["data"]
-            info.update(model=models[0]["id"], owned_by=models[0].get("owned_by"),
-                        max_model_len=models[0].get("max_model_len"))
+            info.update(
+                model=models[0]["id"], owned_by=models[0].get("owned_by"), max_model_len=models[0].get("max_model_len")
+            )
             with contextlib.suppress(Exception):  # /version is optional
                 info["version"] = client.get("/version").json().get("version")
     except Exception as exc:  # noqa: BLE001 - an unreachable server still gets a run, all failed
@@ -694,23 +794,45 @@ def _make_prompts(args: argparse.Namespace, seed: int, num: int, tokenizer: Toke
         return corpus_dataset(num, args.input_len, args.output_len, tokenizer, seed, args.corpus_file)
     lo, hi = (int(v) for v in args.random_token_range.split(","))
     as_text = "chat" in args.endpoint  # chat takes text; completions take the ids themselves
-    return random_dataset(num, args.random_input_len, args.random_output_len, args.random_range_ratio, seed,
-                          (lo, hi), tokenizer if as_text else None)
+    return random_dataset(
+        num,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        seed,
+        (lo, hi),
+        tokenizer if as_text else None,
+    )
 
 
-async def _run(args: argparse.Namespace, base_url: str, headers: dict[str, str], config: RunConfig,
-               points: list[int | None], tokenizer: Tokenizer | None, slos: dict[str, float] | None,
-               percentiles: list[float]) -> list[dict]:
+async def _run(
+    args: argparse.Namespace,
+    base_url: str,
+    headers: dict[str, str],
+    config: RunConfig,
+    points: list[int | None],
+    tokenizer: Tokenizer | None,
+    slos: dict[str, float] | None,
+    percentiles: list[float],
+) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(p or 0 for p in points) or 1024)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     runs = []
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits,
-                                 trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False
+    ) as client:
         if args.num_warmups:
             # Prompts of their own (another seed), so what they leave in a prefix cache does not help the runs.
             warm = _make_prompts(args, args.seed + 10_000, args.num_warmups, tokenizer)
-            warm_config = RunConfig(**{**asdict(config), "max_concurrency": points[0] or args.num_warmups,
-                                       "request_rate": math.inf, "duration": None, "disable_tqdm": True})
+            warm_config = RunConfig(
+                **{
+                    **asdict(config),
+                    "max_concurrency": points[0] or args.num_warmups,
+                    "request_rate": math.inf,
+                    "duration": None,
+                    "disable_tqdm": True,
+                }
+            )
             results, _, _ = await run_requests(client, warm, warm_config)
             failed = sum(not r.success for r in results)
             print(f"warm-up: {len(results)} requests, {failed} failed", file=sys.stderr)
@@ -720,10 +842,16 @@ async def _run(args: argparse.Namespace, base_url: str, headers: dict[str, str],
             prompts = _make_prompts(args, args.seed + k, num, tokenizer)
             results, duration, peak = await run_requests(client, prompts, run_config)
             check_token_counts(results, tokenizer if not args.skip_token_check else None)
-            run = {"max_concurrency": concurrency, "request_rate": config.request_rate,
-                   "burstiness": config.burstiness, "seed": run_config.seed, "num_requests": len(results),
-                   "peak_concurrency": peak, "metrics": compute_metrics(results, duration, slos, percentiles),
-                   "errors": dict(Counter(r.error for r in results if not r.success).most_common(10))}
+            run = {
+                "max_concurrency": concurrency,
+                "request_rate": config.request_rate,
+                "burstiness": config.burstiness,
+                "seed": run_config.seed,
+                "num_requests": len(results),
+                "peak_concurrency": peak,
+                "metrics": compute_metrics(results, duration, slos, percentiles),
+                "errors": dict(Counter(r.error for r in results if not r.success).most_common(10)),
+            }
             if args.save_detailed:
                 run["requests"] = [asdict(r) for r in results]
             print(format_summary(run), flush=True)
@@ -744,8 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slos = _slos(args.goodput)
         percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
-        points: list[int | None] = ([int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency
-                                    else [args.max_concurrency])
+        points: list[int | None] = (
+            [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
+        )
         extra_body = json.loads(args.extra_body) if args.extra_body else {}
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(str(exc))
@@ -758,11 +887,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {base_url}/v1/models did not answer ({server['error']}); going on", file=sys.stderr)
     model = args.model or server.get("model") or "default"
     label = args.label or server.get("owned_by") or base_url.split("//")[-1]
-    tokenizer: Tokenizer | None = LocalTokenizer(args.tokenizer) if args.tokenizer else \
-        ServerTokenizer(base_url, model, headers)
-    config = RunConfig(endpoint=args.endpoint, model=model, duration=args.duration,
-                       request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
-                       temperature=args.temperature, extra_body=extra_body, disable_tqdm=args.disable_tqdm)
+    tokenizer: Tokenizer | None = (
+        LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(base_url, model, headers)
+    )
+    config = RunConfig(
+        endpoint=args.endpoint,
+        model=model,
+        duration=args.duration,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        seed=args.seed,
+        temperature=args.temperature,
+        extra_body=extra_body,
+        disable_tqdm=args.disable_tqdm,
+    )
     try:
         runs = asyncio.run(_run(args, base_url, headers, config, points, tokenizer, slos, percentiles))
     except (httpx.HTTPError, RuntimeError, ValueError, OSError) as exc:
@@ -785,15 +923,17 @@ def main(argv: list[str] | None = None) -> int:
         "server": server,
         "client": {"machine": platform.machine(), "python": platform.python_version()},
         "command": " ".join(sys.argv),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("api_key",)},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("api_key",)},
         "goodput_slos_ms": slos,
         "runs": runs,
     }
     path = args.result_file
     if path is None and args.result_dir is not None:
-        load = f"sweep{args.sweep_concurrency.replace(',', '-')}" if args.sweep_concurrency else \
-            f"c{args.max_concurrency or 'inf'}-r{args.request_rate:g}"
+        load = (
+            f"sweep{args.sweep_concurrency.replace(',', '-')}"
+            if args.sweep_concurrency
+            else f"c{args.max_concurrency or 'inf'}-r{args.request_rate:g}"
+        )
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         path = args.result_dir / f"{label}-{args.dataset_name}-{load}-{stamp}.json"
     if path is not None:

@@ -106,8 +106,14 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     rows = []
     for caching in (True, False):
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                  enable_prefix_caching=caching, max_model_len=args.max_model_len)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            enable_prefix_caching=caching,
+            max_model_len=args.max_model_len,
+        )
         shared_prefix(llm, args, vocab, 4)  # warm-up, with another system prompt
         llm.engine.block_manager.prefix_hit_tokens = 0
         rows.append(shared_prefix(llm, args, vocab, args.num_requests))
@@ -120,9 +126,14 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:
-            row.update(model=Path(args.model).name, dtype=args.dtype, device_name=device_name, commit=commit,
-                       date=datetime.datetime.now().isoformat(timespec="seconds"),
-                       command="python " + " ".join(__import__("sys").argv))
+            row.update(
+                model=Path(args.model).name,
+                dtype=args.dtype,
+                device_name=device_name,
+                commit=commit,
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command="python " + " ".join(__import__("sys").argv),
+            )
             print(json.dumps(row))
             f.write(json.dumps(row) + "\n")
 

@@ -46,8 +46,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(values: list[float]) -> dict:
-    return {"mean_ms": 1e3 * statistics.fmean(values), "p50_ms": 1e3 * percentile(values, 0.5),
-            "p95_ms": 1e3 * percentile(values, 0.95), "n": len(values)}
+    return {
+        "mean_ms": 1e3 * statistics.fmean(values),
+        "p50_ms": 1e3 * percentile(values, 0.5),
+        "p95_ms": 1e3 * percentile(values, 0.95),
+        "n": len(values),
+    }
 
 
 def engine_alone(args, prompts) -> dict:
@@ -70,8 +74,12 @@ def engine_alone(args, prompts) -> dict:
             if round_ == "measured":
                 (prefill if engine.last_step.num_prefill_tokens else decode).append(elapsed)
     cpu_cores = (time.process_time() - cpu0) / (time.perf_counter() - round_start)
-    return {"decode_step": summary(decode), "prefill_steps": len(prefill), "prefill_s": sum(prefill),
-            "cpu_cores": cpu_cores}
+    return {
+        "decode_step": summary(decode),
+        "prefill_steps": len(prefill),
+        "prefill_s": sum(prefill),
+        "cpu_cores": cpu_cores,
+    }
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -80,8 +88,14 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, prompt: list[int], args, start: asyncio.Event):
-    body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     await start.wait()
     t0 = time.perf_counter()
     stamps = []
@@ -130,14 +144,26 @@ async def load(args, base_url: str, prompts) -> dict:
         # Wall time per engine step while the clients ran: step + the loop's own work between steps.
         "server_step_interval_ms": 1e3 * elapsed / steps if steps else None,
         "server_itl_mean_ms": 1e3 * moved("pagoda:inter_token_latency_seconds_sum") / server_itl_n
-        if server_itl_n else None,
+        if server_itl_n
+        else None,
     }
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = args.port
-    cmd = [str(Path(sys.executable).with_name("pagoda")), "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--device", args.device, "--disable-uvicorn-access-log"]
+    cmd = [
+        str(Path(sys.executable).with_name("pagoda")),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--disable-uvicorn-access-log",
+    ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open("/tmp/stream_load_server.log", "w"))
@@ -169,8 +195,13 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = random_prompts(args.concurrency, args.input_len)
-    record = {"concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
-              "dtype": args.dtype, "device": args.device}
+    record = {
+        "concurrency": args.concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+        "device": args.device,
+    }
     if not args.skip_engine_alone:
         record["engine_alone"] = engine_alone(args, prompts)
         print(json.dumps(record["engine_alone"]), flush=True)
@@ -185,8 +216,12 @@ def main() -> None:
             process.send_signal(signal.SIGTERM)
             record["server_exit_code"] = process.wait(120)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record.update(machine=platform.processor() or platform.machine(), commit=commit,
-                  date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
+    record.update(
+        machine=platform.processor() or platform.machine(),
+        commit=commit,
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        command=" ".join(sys.argv),
+    )
     print(json.dumps(record, indent=1))
     out = Path(args.out or Path(__file__).parent / "results" / f"stream_load-{args.device}.jsonl")
     with open(out, "a") as f:

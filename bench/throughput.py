@@ -49,9 +49,23 @@ DEFAULT_INPUT_LENS = "128,512,2048"
 DEFAULT_OUTPUT_LENS = "128,256"
 WARM_UP_TOKENS = 4
 CSV_COLUMNS = [
-    "engine", "engine_version", "batch_size", "input_len", "output_len", "repeats", "elapsed_s",
-    "output_tokens", "output_tok_s", "total_tok_s", "model", "dtype", "device", "device_name", "commit",
-    "date", "command",
+    "engine",
+    "engine_version",
+    "batch_size",
+    "input_len",
+    "output_len",
+    "repeats",
+    "elapsed_s",
+    "output_tokens",
+    "output_tok_s",
+    "total_tok_s",
+    "model",
+    "dtype",
+    "device",
+    "device_name",
+    "commit",
+    "date",
+    "command",
 ]
 SINGLE_POINT_FLAGS = ("num_prompts", "input_len", "output_len", "len_range", "profile", "out")
 SWEEP_FLAGS = ("batch_sizes", "input_lens", "output_lens", "csv", "plot_dir", "plot_from")
@@ -110,8 +124,15 @@ class PagodaEngine:
         from engine import LLM
 
         s = self.setup
-        self.llm = LLM(s.model_dir, dtype=s.dtype, device=s.device, load_format=s.load_format, seed=s.seed,
-                       max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization)
+        self.llm = LLM(
+            s.model_dir,
+            dtype=s.dtype,
+            device=s.device,
+            load_format=s.load_format,
+            seed=s.seed,
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+        )
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> Timing:
         from engine import SamplingParams
@@ -159,8 +180,14 @@ class TransformersEngine:
 
         def run() -> torch.Tensor:
             with torch.no_grad():
-                return self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+                return self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
         out, elapsed = _timed(self.setup.device, run)
         return Timing(elapsed, (out.shape[1] - ids.shape[1]) * out.shape[0])
@@ -184,15 +211,20 @@ class VllmEngine:
             raise EngineUnavailable(f"cannot import vllm ({type(exc).__name__}: {exc})") from None
         s = self.setup
         # Token-id prompts need no tokenizer; the bench config directories have none.
-        self.llm = LLM(model=s.model_dir, dtype=s.dtype, load_format="dummy" if s.load_format == "dummy" else "auto",
-                       seed=s.seed, max_model_len=s.max_model_len, skip_tokenizer_init=True,
-                       gpu_memory_utilization=s.gpu_memory_utilization)
+        self.llm = LLM(
+            model=s.model_dir,
+            dtype=s.dtype,
+            load_format="dummy" if s.load_format == "dummy" else "auto",
+            seed=s.seed,
+            max_model_len=s.max_model_len,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+        )
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> Timing:
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
-                  for n in output_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False) for n in output_lens]
         requests = [{"prompt_token_ids": p} for p in prompts]
         self.llm.reset_prefix_cache()
         outs, elapsed = _timed(self.setup.device, lambda: self.llm.generate(requests, params, use_tqdm=False))
@@ -205,8 +237,9 @@ class VllmEngine:
 ENGINES = {e.name: e for e in (PagodaEngine, TransformersEngine, VllmEngine)}
 
 
-def copy_pagoda_dummy_weights(hf_model: torch.nn.Module, model_dir: str, dtype: torch.dtype, device: str,
-                              seed: int) -> None:
+def copy_pagoda_dummy_weights(
+    hf_model: torch.nn.Module, model_dir: str, dtype: torch.dtype, device: str, seed: int
+) -> None:
     """Overwrite a transformers model with the random values pagoda's dummy loader draws for `seed`.
 
     pagoda's loader is run for real (on the same device, since CPU and CUDA generators differ), so the two
@@ -285,8 +318,10 @@ def run_sweep(args: argparse.Namespace, setup: Setup, vocab: int, max_positions:
     points = []
     for batch, input_len, output_len in itertools.product(args.batch_sizes, args.input_lens, args.output_lens):
         if input_len + output_len > max_positions:
-            print(f"skipped batch {batch} x in {input_len} / out {output_len}: input + output exceeds the "
-                  f"model's {max_positions} positions")
+            print(
+                f"skipped batch {batch} x in {input_len} / out {output_len}: input + output exceeds the "
+                f"model's {max_positions} positions"
+            )
         else:
             points.append((batch, input_len, output_len))
     setup.max_model_len = max((i + o for _, i, o in points), default=1)
@@ -316,10 +351,17 @@ def run_sweep(args: argparse.Namespace, setup: Setup, vocab: int, max_positions:
                 elapsed = statistics.median(t.elapsed_s for t in timings)
                 tokens = timings[-1].output_tokens
                 row = {
-                    "engine": name, "engine_version": engine.version, "batch_size": batch, "input_len": input_len,
-                    "output_len": output_len, "repeats": args.repeat, "elapsed_s": round(elapsed, 4),
-                    "output_tokens": tokens, "output_tok_s": round(tokens / elapsed, 2),
-                    "total_tok_s": round((tokens + batch * input_len) / elapsed, 2), **context,
+                    "engine": name,
+                    "engine_version": engine.version,
+                    "batch_size": batch,
+                    "input_len": input_len,
+                    "output_len": output_len,
+                    "repeats": args.repeat,
+                    "elapsed_s": round(elapsed, 4),
+                    "output_tokens": tokens,
+                    "output_tok_s": round(tokens / elapsed, 2),
+                    "total_tok_s": round((tokens + batch * input_len) / elapsed, 2),
+                    **context,
                 }
                 writer.writerow(row)
                 f.flush()
@@ -377,8 +419,9 @@ def write_plots(rows: list[dict], plot_dir: str) -> list[Path]:
 
     peers = [e for e in engines if e != "pagoda"]
     if "pagoda" in engines and peers:
-        fig, axes = plt.subplots(len(output_lens), len(input_lens), figsize=(4.5 * len(input_lens),
-                                 3.5 * len(output_lens)), squeeze=False)
+        fig, axes = plt.subplots(
+            len(output_lens), len(input_lens), figsize=(4.5 * len(input_lens), 3.5 * len(output_lens)), squeeze=False
+        )
         for (row, output_len), (col, input_len) in itertools.product(enumerate(output_lens), enumerate(input_lens)):
             ax = axes[row][col]
             ours = series.get(("pagoda", input_len, output_len), {})
@@ -450,13 +493,24 @@ def run_single_point(args: argparse.Namespace, setup: Setup, vocab: int, context
                     pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
             # The keys and order of the JSON lines already in bench/results/ (plus "version" for every engine).
             row = {
-                "engine": name, "version": engine.version, "elapsed_s": timing.elapsed_s,
-                "output_tokens": timing.output_tokens, "load_s": load_s,
-                "output_tok_s": timing.output_tokens / timing.elapsed_s, "model": context["model"],
-                "dtype": setup.dtype, "device": setup.device, "device_name": context["device_name"],
-                "torch_threads": torch.get_num_threads(), "num_prompts": num, "input_len": input_len,
-                "len_range": args.len_range, "output_len": output_len, "commit": context["commit"],
-                "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": context["command"],
+                "engine": name,
+                "version": engine.version,
+                "elapsed_s": timing.elapsed_s,
+                "output_tokens": timing.output_tokens,
+                "load_s": load_s,
+                "output_tok_s": timing.output_tokens / timing.elapsed_s,
+                "model": context["model"],
+                "dtype": setup.dtype,
+                "device": setup.device,
+                "device_name": context["device_name"],
+                "torch_threads": torch.get_num_threads(),
+                "num_prompts": num,
+                "input_len": input_len,
+                "len_range": args.len_range,
+                "output_len": output_len,
+                "commit": context["commit"],
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "command": context["command"],
             }
             print(json.dumps(row))
             with out.open("a") as f:
@@ -487,21 +541,35 @@ def _engine_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     # No defaults for the mode-specific flags: whether one was given picks the mode.
-    parser = argparse.ArgumentParser(prog="pagoda bench throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagoda bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common = parser.add_argument_group("both modes")
     common.add_argument("--model", default=None, help="HF directory (default: the embedded default model)")
-    common.add_argument("--dtype", default="auto",
-                        help="float32, bfloat16, float16; auto: bfloat16 on CUDA, else float32")
+    common.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16, float16; auto: bfloat16 on CUDA, else float32"
+    )
     common.add_argument("--device", default="auto", help="cpu, cuda; auto: cuda if available")
-    common.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="auto: the checkpoint's weights; dummy: random weights from config.json")
-    common.add_argument("--engines", type=_engine_list, default=_engine_list("pagoda,transformers,vllm"),
-                        help="comma list of pagoda, transformers, vllm (default: all three; vllm is skipped "
-                        "with a message where it does not import)")
+    common.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's weights; dummy: random weights from config.json",
+    )
+    common.add_argument(
+        "--engines",
+        type=_engine_list,
+        default=_engine_list("pagoda,transformers,vllm"),
+        help="comma list of pagoda, transformers, vllm (default: all three; vllm is skipped "
+        "with a message where it does not import)",
+    )
     common.add_argument("--seed", type=int, default=0, help="seeds the prompt token ids and dummy weights")
-    common.add_argument("--repeat", type=int, default=1,
-                        help="timed runs per point (sweep: the CSV gets their median; single point: a line each)")
+    common.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed runs per point (sweep: the CSV gets their median; single point: a line each)",
+    )
     common.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="for pagoda and vllm")
 
     sweep = parser.add_argument_group("sweep (the default mode)")
@@ -510,19 +578,32 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--output-lens", type=_int_list, default=None, help=f"default {DEFAULT_OUTPUT_LENS}")
     sweep.add_argument("--csv", default=None, help="default bench/results/sweep-<model>-<device>.csv (overwritten)")
     sweep.add_argument("--plot-dir", default=None, help="default bench/results/sweep-<model>-<device>/")
-    sweep.add_argument("--plot-from", default=None, metavar="CSV[,CSV...]",
-                       help="run nothing: draw the plots from earlier sweep CSVs (e.g. one per engine process)")
+    sweep.add_argument(
+        "--plot-from",
+        default=None,
+        metavar="CSV[,CSV...]",
+        help="run nothing: draw the plots from earlier sweep CSVs (e.g. one per engine process)",
+    )
 
     single = parser.add_argument_group("single point (any of these picks it)")
     single.add_argument("--num-prompts", type=int, default=None, help="default 16")
     single.add_argument("--input-len", type=int, default=None, help="default 64")
     single.add_argument("--output-len", type=int, default=None, help="default 128")
-    single.add_argument("--len-range", default=None, metavar="LOW,HIGH",
-                        help="input and output lengths uniform in [LOW, HIGH] instead of fixed (W2)")
-    single.add_argument("--profile", default=None, metavar="FILE",
-                        help="cProfile pagoda's timed run; write the top functions by own time to FILE")
-    single.add_argument("--out", default=None,
-                        help="JSONL to append to (default bench/results/throughput-<device>.jsonl)")
+    single.add_argument(
+        "--len-range",
+        default=None,
+        metavar="LOW,HIGH",
+        help="input and output lengths uniform in [LOW, HIGH] instead of fixed (W2)",
+    )
+    single.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="cProfile pagoda's timed run; write the top functions by own time to FILE",
+    )
+    single.add_argument(
+        "--out", default=None, help="JSONL to append to (default bench/results/throughput-<device>.jsonl)"
+    )
     return parser
 
 
@@ -531,8 +612,10 @@ def run(args: argparse.Namespace) -> int:
     single = [f for f in SINGLE_POINT_FLAGS if getattr(args, f) is not None]
     swept = [f for f in SWEEP_FLAGS if getattr(args, f) is not None]
     if single and swept:
-        raise SystemExit(f"--{single[0].replace('_', '-')} (single point) and --{swept[0].replace('_', '-')} "
-                         "(sweep) do not go together")
+        raise SystemExit(
+            f"--{single[0].replace('_', '-')} (single point) and --{swept[0].replace('_', '-')} "
+            "(sweep) do not go together"
+        )
     if args.plot_from:
         write_plots(read_csv_rows(args.plot_from.split(",")), args.plot_dir or "bench/results/plots")
         return 0
@@ -549,8 +632,13 @@ def run(args: argparse.Namespace) -> int:
     setup = Setup(args.model, dtype, device, args.load_format, args.seed, 0, args.gpu_memory_utilization)
     model = Path(args.model).name
     context = {
-        "model": model, "dtype": dtype, "device": device, "device_name": _device_name(device), "commit": _commit(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": _command_line(),
+        "model": model,
+        "dtype": dtype,
+        "device": device,
+        "device_name": _device_name(device),
+        "commit": _commit(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": _command_line(),
     }
     if single:
         run_single_point(args, setup, hf_config["vocab_size"], context)

@@ -10,7 +10,9 @@ from engine import LLM, SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("prompts", nargs="+", help="user messages, one chat each")
-    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="HF model directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")

@@ -202,7 +202,11 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                command.request_id, command.prompt, command.params, command.priority, command.arrival_time,
+                command.request_id,
+                command.prompt,
+                command.params,
+                command.priority,
+                command.arrival_time,
                 command.queue_timeout,
             )
         except Exception as exc:  # e.g. a duplicate request id: that request fails, the loop goes on

@@ -142,55 +142,108 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0) if x.shape[0] > 1 else heads * dim
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write k/v [T, KVH, D] into the cache rows of slot_mapping [T] int64 (negative slots skipped)."""
     (k, k_stride), (v, v_stride) = _rows(k), _rows(v)
     slot_mapping = slot_mapping.long()  # the kernel reads int64 (a no-op for the engine's own)
-    _fn("store_kv", k.dtype)(k.data_ptr(), k_stride, v.data_ptr(), v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
-                             slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
+    _fn("store_kv", k.dtype)(
+        k.data_ptr(),
+        k_stride,
+        v.data_ptr(),
+        v_stride,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        k.shape[0],
+        k.shape[1] * k.shape[2],
+    )
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: torch.Tensor, seq_lens: torch.Tensor, seqs: torch.Tensor, scale: float,
-                    out: torch.Tensor) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Causal attention of the sequences `seqs` [n] int32 through the paged cache, into `out` [T, H, D].
 
     query_start [S + 1] and seq_lens [S] are int32 (as in AttentionMetadata); block_tables [S, max_blocks]."""
     q = q.contiguous()
     _fn("paged_attention", q.dtype)(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        query_start.data_ptr(), seq_lens.data_ptr(), seqs.data_ptr(), seqs.numel(), q.shape[1], k_cache.shape[2],
-        q.shape[2], k_cache.shape[1], scale, out.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start.data_ptr(),
+        seq_lens.data_ptr(),
+        seqs.data_ptr(),
+        seqs.numel(),
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        out.data_ptr(),
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim; with `residual`, (norm(x + residual), x + residual) as in RMSNorm.forward."""
     x = x.contiguous()
     out = torch.empty_like(x)
     hidden = x.shape[-1]
     if residual is None:
-        _fn("add_rms_norm", x.dtype)(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None,
-                                     x.numel() // hidden, hidden, eps)
+        _fn("add_rms_norm", x.dtype)(
+            x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // hidden, hidden, eps
+        )
         return out
     residual = residual.contiguous()
     summed = torch.empty_like(x)
-    _fn("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                 summed.data_ptr(), x.numel() // hidden, hidden, eps)
+    _fn("add_rms_norm", x.dtype)(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        summed.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+    )
     return out, summed
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions [T] int64, into new contiguous tensors."""
     (q, q_stride), (k, k_stride) = _rows(q), _rows(k)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
     positions = positions.long()  # the kernel reads int64 (a no-op for the engine's own)
-    _fn("rotary", q.dtype)(positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride, q_out.data_ptr(),
-                           k_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[1], k.shape[1],
-                           q.shape[2])
+    _fn("rotary", q.dtype)(
+        positions.data_ptr(),
+        q.data_ptr(),
+        q_stride,
+        k.data_ptr(),
+        k_stride,
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+    )
     return q_out, k_out
 
 

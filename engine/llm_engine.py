@@ -8,16 +8,15 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
 from engine.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
-from engine.scheduler import ScheduledSeq
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 
 log = logging.getLogger("pagoda.engine")
@@ -82,8 +81,15 @@ class LLMEngine:
         log.info(
             "loaded %s (%s, %s on %s, %s attention): %d KV blocks of %d tokens = %d tokens in the cache, "
             "max_model_len %d",
-            model_dir, type(self.runner.model).__name__, config.dtype, config.device, self.runner.attention_backend,
-            num_blocks, config.block_size, capacity, self.max_model_len,
+            model_dir,
+            type(self.runner.model).__name__,
+            config.dtype,
+            config.device,
+            self.runner.attention_backend,
+            num_blocks,
+            config.block_size,
+            capacity,
+            self.max_model_len,
         )
         self.runner.capture_cuda_graphs(self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -92,7 +98,10 @@ class LLMEngine:
             swap_pool = SwapPool(self.runner.allocate_swap_space(config.swap_space))
             log.info("swap space: %d blocks (%.1f GiB of CPU memory)", swap_pool.num_blocks, config.swap_space)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
             swap_pool,
         )
         self.requests: dict[str, Request] = {}
@@ -270,9 +279,13 @@ class LLMEngine:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
         stats = (
-            sched.num_batched_tokens, prefill_tokens, len(sampling), len(sched.preempted),
+            sched.num_batched_tokens,
+            prefill_tokens,
+            len(sampling),
+            len(sched.preempted),
             sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
-            bm.prefix_queried_tokens - queried, bm.prefix_hit_tokens - hits,
+            bm.prefix_queried_tokens - queried,
+            bm.prefix_hit_tokens - hits,
         )
         return _Step(sched.scheduled, ends, sampling, slots, launched, stats)
 
@@ -315,8 +328,10 @@ class LLMEngine:
         """Finish requests that waited past their queue deadline without ever being scheduled."""
         now = time.monotonic()
         expired = [
-            s.request for s in self.scheduler.waiting
-            if s.request.queue_deadline is not None and s.request.first_scheduled_time is None
+            s.request
+            for s in self.scheduler.waiting
+            if s.request.queue_deadline is not None
+            and s.request.first_scheduled_time is None
             and now > s.request.queue_deadline
         ]
         outputs = []
@@ -346,8 +361,9 @@ class LLMEngine:
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
         max_tokens = seq.request.params.max_tokens
-        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or \
-            num_tokens >= self.max_model_len
+        return (
+            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
+        ) or num_tokens >= self.max_model_len
 
     def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
         """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""

@@ -55,9 +55,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, config.load_format, config.seed
-        )
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, config.load_format, config.seed)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
@@ -69,8 +67,11 @@ class ModelRunner:
         # Long prompt steps through flash-attn-4 where it is installed and faster (paged_attention.py); a
         # threshold above the step budget is never met.
         self.fa4_min_tokens = 0
-        if (self.attention_backend == "triton" and 0 < config.fa4_prefill_min_tokens <= config.max_num_batched_tokens
-                and fa4_prefill_applies(self.device, self.dtype, mc.head_dim)):
+        if (
+            self.attention_backend == "triton"
+            and 0 < config.fa4_prefill_min_tokens <= config.max_num_batched_tokens
+            and fa4_prefill_applies(self.device, self.dtype, mc.head_dim)
+        ):
             self.fa4_min_tokens = config.fa4_prefill_min_tokens
             log.info("prompt steps with a prompt chunk of %d+ tokens attend through flash-attn-4", self.fa4_min_tokens)
         for attn in self.model.attention_layers():
@@ -140,7 +141,10 @@ class ModelRunner:
         graphs = self._graph_memory(max_model_len)
         log.info(
             "memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, CUDA graphs %.2f GiB",
-            total / 2**30, baseline / 2**30, (peak - baseline) / 2**30, graphs / 2**30,
+            total / 2**30,
+            baseline / 2**30,
+            (peak - baseline) / 2**30,
+            graphs / 2**30,
         )
         return int((budget - graphs) // self.bytes_per_block)
 
@@ -179,10 +183,17 @@ class ModelRunner:
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         hidden = self._dummy_forward(lens)
-        logits = self.model.compute_logits(hidden[: num_seqs])
+        logits = self.model.compute_logits(hidden[:num_seqs])
         # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                frequency_penalty=0.5, logprobs=MAX_LOGPROBS)
+        params = SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            frequency_penalty=0.5,
+            logprobs=MAX_LOGPROBS,
+        )
         self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
         torch.cuda.synchronize(self.device)
 
@@ -334,8 +345,13 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep([], None, [None] * 4, None)
         sampler_rows = [
-            SamplerRow(seq.request.params, seq.seed, seq.request.prompt_token_ids,
-                       seq.output_token_ids if seq.request.params.reads_output_tokens else [], seq.num_output_tokens)
+            SamplerRow(
+                seq.request.params,
+                seq.seed,
+                seq.request.prompt_token_ids,
+                seq.output_token_ids if seq.request.params.reads_output_tokens else [],
+                seq.num_output_tokens,
+            )
             for seq, _ in sampling
         ]
         out = self.sampler(logits, sampler_rows)
@@ -454,9 +470,14 @@ class DecodeGraphs:
         for batch in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._capture(batch, pool)
         torch.cuda.synchronize(device)
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.2f GiB",
-                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
-                 (torch.cuda.memory_reserved(device) - reserved) / 2**30)
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.2f GiB",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved(device) - reserved) / 2**30,
+        )
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -500,7 +521,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, token_ids: np.ndarray, positions: np.ndarray, tables: list[list[int]],
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        tables: list[list[int]],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.

@@ -122,8 +122,11 @@ def fa4_prefill_applies(device: torch.device, dtype: torch.dtype, head_dim: int)
     pagoda's at every batch, so decodes never go there. Hopper only (where it was measured), its
     16-bit types, head dims of 8..256 in multiples of 8."""
     return (
-        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        and dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 256 and head_dim % 8 == 0
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and dtype in (torch.bfloat16, torch.float16)
+        and 8 <= head_dim <= 256
+        and head_dim % 8 == 0
         and fa4_varlen() is not None
     )
 
@@ -179,8 +182,15 @@ class Attention(nn.Module):
         # attending, it ends one graph at this layer's attention and begins the next.
         self.split = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                prep: QKPrep | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        prep: QKPrep | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D], before `prep` -> [T, H, D] (into `out` when given)."""
         if self.split is not None:
             return self.split(self, q, k, v, meta, prep)
@@ -204,12 +214,22 @@ class Attention(nn.Module):
             result = self._fa4(q, k, v, meta)
             return result if out is None else out.copy_(result)
         if meta.decode_only:
-            return attention.paged_decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor,
-                                          self.scale, out=out)
+            return attention.paged_decode(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens_tensor, self.scale, out=out
+            )
         if meta.fresh and attention.fresh_prefill_fits(q, k, v):  # k was prepared in place above
             return attention.prefill_fresh(q, k, v, meta.query_start_tensor, self.scale, meta.max_query_len, out=out)
-        return attention.paged_prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
-                                       meta.seq_lens_tensor, self.scale, meta.max_query_len, out=out)
+        return attention.paged_prefill(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start_tensor,
+            meta.seq_lens_tensor,
+            self.scale,
+            meta.max_query_len,
+            out=out,
+        )
 
     def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -220,14 +240,24 @@ class Attention(nn.Module):
     def _flash_attn(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         varlen, vllm_build = flash_attn_module()
         kwargs = dict(
-            cu_seqlens_q=meta.query_start_tensor, max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-            softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
+            cu_seqlens_q=meta.query_start_tensor,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=meta.block_tables,
         )
         if vllm_build:
             # vLLM's build takes the key lengths directly (upstream wants them cumulative), and
             # FlashAttention-3 on Hopper.
-            return varlen(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor,
-                          fa_version=_fa_version(q.device.index or 0), **kwargs)
+            return varlen(
+                q,
+                self.k_cache,
+                self.v_cache,
+                seqused_k=meta.seq_lens_tensor,
+                fa_version=_fa_version(q.device.index or 0),
+                **kwargs,
+            )
         cu_k = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, self.k_cache, self.v_cache, cu_seqlens_k=cu_k, **kwargs)
 
@@ -235,13 +265,19 @@ class Attention(nn.Module):
         """A long prompt step through flash-attn-4: from the step's own k/v (prepared in place) when every
         sequence is a whole prompt, as prefill_fresh does, else through the block tables, which also
         covers cached context and the decodes beside the prompt."""
-        common = dict(cu_seqlens_q=meta.query_start_tensor, max_seqlen_q=meta.max_query_len,
-                      max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=True)
+        common = dict(
+            cu_seqlens_q=meta.query_start_tensor,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+        )
         if meta.fresh:
             result = fa4_varlen()(q, k, v, cu_seqlens_k=meta.query_start_tensor, **common)
         else:
-            result = fa4_varlen()(q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor,
-                                  page_table=meta.block_tables, **common)
+            result = fa4_varlen()(
+                q, self.k_cache, self.v_cache, seqused_k=meta.seq_lens_tensor, page_table=meta.block_tables, **common
+            )
         return result[0] if isinstance(result, tuple) else result  # (out, lse)
 
     def _cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -251,8 +287,17 @@ class Attention(nn.Module):
         out = torch.empty(q.shape, dtype=q.dtype)
         short, long = meta.cpu_split
         if short.numel():
-            cpu_ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_tensor,
-                                    meta.seq_lens_tensor, short, self.scale, out)
+            cpu_ops.paged_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.query_start_tensor,
+                meta.seq_lens_tensor,
+                short,
+                self.scale,
+                out,
+            )
         if long:
             self._prefill(q, k, v, meta, long, out)
         return out
@@ -275,8 +320,15 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(s, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                 seqs: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        seqs: list[int] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Rows of the sequences `seqs` (default: all) into `out` (default: a new tensor)."""
         if out is None:
             out = torch.empty_like(q)
@@ -297,8 +349,9 @@ class Attention(nn.Module):
             def batch(x: torch.Tensor) -> torch.Tensor:  # [n * length, heads, D] -> [n, heads, length, D]
                 return x.index_select(0, rows).view(len(starts), length, x.shape[1], x.shape[2]).transpose(1, 2)
 
-            o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=self.scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                batch(q), batch(k), batch(v), is_causal=True, scale=self.scale, enable_gqa=True
+            )
             out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim))
         return out
 
@@ -313,8 +366,9 @@ class Attention(nn.Module):
         # Query i sits at position seq_len - q_len + i and sees keys up to it.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=qs.device)
         mask = q_pos[:, None] >= torch.arange(seq_len, device=qs.device)[None, :]
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                                           scale=self.scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
         return o[0].transpose(0, 1)
 
 

@@ -113,8 +113,10 @@ class PrefillGraphs:
         mc = runner.model.config
         dtype = runner.dtype
         self.buffers = _AttentionBuffers(
-            *(torch.zeros(max_tokens, heads, mc.head_dim, dtype=dtype, device=device)
-              for heads in (mc.num_heads, mc.num_kv_heads, mc.num_kv_heads, mc.num_heads))
+            *(
+                torch.zeros(max_tokens, heads, mc.head_dim, dtype=dtype, device=device)
+                for heads in (mc.num_heads, mc.num_kv_heads, mc.num_kv_heads, mc.num_heads)
+            )
         )
         self.layers = runner.model.attention_layers()
         self.replays = 0  # steps run through the graphs (tests read it)
@@ -127,9 +129,16 @@ class PrefillGraphs:
             self._capture(size, pool)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        log.info("captured piecewise prefill CUDA graphs for %d sizes (%d..%d tokens, %d pieces each) in %.1f s, "
-                 "using %.2f GiB", len(self.sizes), self.sizes[0], self.sizes[-1], len(self.pieces[max_tokens].graphs),
-                 time.perf_counter() - start, (torch.cuda.memory_reserved(device) - reserved) / 2**30)
+        log.info(
+            "captured piecewise prefill CUDA graphs for %d sizes (%d..%d tokens, %d pieces each) in %.1f s, "
+            "using %.2f GiB",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            len(self.pieces[max_tokens].graphs),
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved(device) - reserved) / 2**30,
+        )
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
@@ -172,8 +181,13 @@ class PrefillGraphs:
         self.pieces[size] = pieces
 
     @torch.inference_mode()
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        meta: AttentionMetadata,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The forward of len(token_ids) tokens: [tokens, hidden] final hidden states."""
         n = len(token_ids)
         size = next(s for s in self.sizes if s >= n)

@@ -227,16 +227,24 @@ class Sampler:
 
         # Ids outside the vocabulary can neither be biased nor generated; dropping them keeps a bad
         # id from becoming an out-of-bounds index on the device.
-        biases = [[(t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab] for p in params] \
-            if any(p.logit_bias for p in params) else []
+        biases = (
+            [[(t, v) for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab] for p in params]
+            if any(p.logit_bias for p in params)
+            else []
+        )
         if any(biases):
             ragged["bias"] = [[t for t, _ in b] for b in biases]
             floats["bias_values"] = [[v for _, v in b] for b in biases]
-        bans = [
-            [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) if 0 <= t < vocab]
-            if r.num_output_tokens < p.min_tokens else []
-            for r, p in zip(rows, params)
-        ] if any(p.min_tokens for p in params) else []
+        bans = (
+            [
+                [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) if 0 <= t < vocab]
+                if r.num_output_tokens < p.min_tokens
+                else []
+                for r, p in zip(rows, params)
+            ]
+            if any(p.min_tokens for p in params)
+            else []
+        )
         if any(bans):
             ragged["ban"] = bans
         if any(p.repetition_penalty != 1.0 for p in params):

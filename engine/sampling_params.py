@@ -59,24 +59,45 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or positive, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.repetition_penalty > 0.0, "repetition_penalty",
-              f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-              f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"repetition_penalty must be positive, got {self.repetition_penalty}",
+        )
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
         check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+        )
         for token_id, bias in (self.logit_bias or {}).items():
             check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias for token {token_id} must be in [-100, 100]")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative")
-        check(self.output_kind in ("cumulative", "final_only"), "output_kind",
-              f"output_kind must be cumulative or final_only, got {self.output_kind!r}")
+        check(
+            self.output_kind in ("cumulative", "final_only"),
+            "output_kind",
+            f"output_kind must be cumulative or final_only, got {self.output_kind!r}",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -33,7 +33,7 @@ class Sequence:
     """One generated continuation. A request with n > 1 forks n sequences sharing its prompt's blocks."""
 
     seq_id: int
-    request: "Request"
+    request: Request
     index: int  # which of the request's n outputs
     seed: int
     token_ids: list[int]  # prompt then output
@@ -153,7 +153,7 @@ class RequestOutput:
     times: RequestTimes | None = None
 
     @classmethod
-    def of(cls, request: Request) -> "RequestOutput":
+    def of(cls, request: Request) -> RequestOutput:
         outputs = [
             CompletionOutput(
                 index=s.index,

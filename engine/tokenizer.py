@@ -35,9 +35,7 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: that heuristic (" ." -> ".") depends on where decoding is cut,
         # so streamed text could never add up to the full decode.
-        return self.hf.decode(
-            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids for a chat, rendered by the model's own template."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +27,6 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
 from server.metrics import Metrics
-from server.ratelimit import RateLimiter
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -41,6 +40,7 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.ratelimit import RateLimiter
 from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, sse_events
 
 log = logging.getLogger("pagoda.server")
@@ -62,8 +62,13 @@ class ServerSettings:
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
@@ -88,11 +93,17 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, InvalidParameter):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, QueueTimeout):
-        return APIError(503, str(exc), "server_error", code="queue_timeout",
-                        headers={"Retry-After": str(_RETRY_AFTER_S)})
+        return APIError(
+            503, str(exc), "server_error", code="queue_timeout", headers={"Retry-After": str(_RETRY_AFTER_S)}
+        )
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is not running: {exc}", "server_error", code="engine_dead",
-                        headers={"Retry-After": str(_DEAD_RETRY_AFTER_S)})
+        return APIError(
+            503,
+            f"the engine is not running: {exc}",
+            "server_error",
+            code="engine_dead",
+            headers={"Retry-After": str(_DEAD_RETRY_AFTER_S)},
+        )
     log.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, "internal server error; the server log has the details", "server_error")
 
@@ -133,8 +144,9 @@ class APIKeyMiddleware:
             # response times.
             matches = [hmac.compare_digest(given, key) for key in self.expected]
             if not any(matches):
-                error = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401, "missing or incorrect API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+                )
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -189,17 +201,24 @@ class _Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves {', '.join(self.settings.served_model_names)}",
+                param="model",
+                code="model_not_found",
+            )
 
     def admit(self) -> None:
         if not self.engine.is_alive:
             raise EngineDeadError(str(self.engine.error or "stopped"))
         if self.admission.full:
-            raise APIError(503, f"the server is at capacity: {self.admission.queued} requests are waiting; "
-                                "retry later", "server_error", code="queue_full",
-                           headers={"Retry-After": str(_RETRY_AFTER_S)})
+            raise APIError(
+                503,
+                f"the server is at capacity: {self.admission.queued} requests are waiting; retry later",
+                "server_error",
+                code="queue_full",
+                headers={"Retry-After": str(_RETRY_AFTER_S)},
+            )
 
     def charge(self, request: Request, prompts: list[list[int]], params: SamplingParams) -> None:
         """Rate limits, per client: its API key, or its address when it sends none."""
@@ -214,9 +233,13 @@ class _Server:
         )
         wait, limit = limiter.acquire(client, tokens)
         if wait > 0:
-            raise APIError(429, f"rate limit reached for {limit} per minute; retry in {wait:.1f} s",
-                           type=limit, code="rate_limit_exceeded",
-                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            raise APIError(
+                429,
+                f"rate limit reached for {limit} per minute; retry in {wait:.1f} s",
+                type=limit,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
 
     def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for prompt in prompts:
@@ -229,18 +252,25 @@ class _Server:
         for i, message in enumerate(messages):
             role = message.role
             if role not in ("system", "developer", "user", "assistant"):
-                raise APIError(400, f"messages[{i}].role '{role}' is not supported (tool calling is not "
-                                    "implemented)", param=f"messages[{i}].role")
+                raise APIError(
+                    400,
+                    f"messages[{i}].role '{role}' is not supported (tool calling is not implemented)",
+                    param=f"messages[{i}].role",
+                )
             if isinstance(message.content, str):
                 text = message.content
             else:
                 for j, part in enumerate(message.content):
                     if part.type != "text":
-                        raise APIError(400, f"content part type '{part.type}' is not supported: only text",
-                                       param=f"messages[{i}].content[{j}].type")
+                        raise APIError(
+                            400,
+                            f"content part type '{part.type}' is not supported: only text",
+                            param=f"messages[{i}].content[{j}].type",
+                        )
                     if part.text is None:
-                        raise APIError(400, "a text content part needs its text",
-                                       param=f"messages[{i}].content[{j}].text")
+                        raise APIError(
+                            400, "a text content part needs its text", param=f"messages[{i}].content[{j}].text"
+                        )
                 # Several text parts are one message; a newline keeps their words apart (as vLLM joins them).
                 text = "\n".join(part.text for part in message.content)
             # OpenAI's newer name for the system role; chat templates know only "system".
@@ -322,8 +352,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return {"version": version("pagoda")}
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=server.created, root=settings.model_dir,
-                         max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=server.created, root=settings.model_dir, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -365,8 +394,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         try:
             params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
             prompt = await server.in_thread(server.chat_prompt, body.messages)
-            job = render.Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, [prompt],
-                             body.n, body.logprobs)
+            job = render.Job(
+                f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, [prompt], body.n, body.logprobs
+            )
             generation = start(request, job, params, body.priority)
         except InvalidParameter as exc:
             # The engine names two parameters as completions do; answer with the name the client sent.
@@ -390,8 +420,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         echo_texts = None
         if body.echo:
             echo_texts = await server.in_thread(_echo_texts, server.tokenizer, body.prompt, prompts)
-        job = render.Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, prompts, body.n,
-                         body.logprobs is not None, echo_texts)
+        job = render.Job(
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            server.model_name,
+            prompts,
+            body.n,
+            body.logprobs is not None,
+            echo_texts,
+        )
         generation = start(request, job, params, body.priority)
         if body.stream:
             chunker = render.CompletionChunker(job, server.strings)

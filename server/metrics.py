@@ -17,12 +17,74 @@ from engine.llm_engine import StepStats
 from engine.sequence import RequestOutput
 
 # Bucket bounds in seconds: from a fast CPU or GPU step up to very long generations.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def _token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -63,8 +125,10 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._preemptions = Counter(
-            "pagoda:num_preemptions", "Sequences preempted, by mode: recompute (blocks dropped) or swap (to CPU).",
-            ["model_name", "mode"], registry=self.registry,
+            "pagoda:num_preemptions",
+            "Sequences preempted, by mode: recompute (blocks dropped) or swap (to CPU).",
+            ["model_name", "mode"],
+            registry=self.registry,
         )
         for mode in ("recompute", "swap"):  # both series exist from the start, at 0
             self._preemptions.labels(model_name=model_name, mode=mode)
@@ -75,12 +139,14 @@ class Metrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache: their prefill was skipped."
         )
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens (prompt chunks + decodes) computed per engine step.",
+            "iteration_tokens_total",
+            "Tokens (prompt chunks + decodes) computed per engine step.",
             _token_buckets(max_num_batched_tokens),
         )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
         self.itl = histogram(
-            "inter_token_latency_seconds", "Time between successive outputs of a request, as the server receives them.",
+            "inter_token_latency_seconds",
+            "Time between successive outputs of a request, as the server receives them.",
             _ITL_BUCKETS,
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _REQUEST_BUCKETS)
@@ -88,8 +154,10 @@ class Metrics:
             "request_queue_time_seconds", "Arrival to first scheduled (time spent waiting).", _REQUEST_BUCKETS
         )
         self._success = Counter(
-            "pagoda:request_success", "Finished outputs (one per choice) by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            "pagoda:request_success",
+            "Finished outputs (one per choice) by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
         self._model_name = model_name
 

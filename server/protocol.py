@@ -134,8 +134,18 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def unsupported(self) -> str | None:
         """The name of the first parameter that was set but is not implemented, or None."""
-        for name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
-                     "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        for name in (
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "functions",
+            "function_call",
+            "audio",
+            "prediction",
+            "web_search_options",
+            "reasoning_effort",
+            "verbosity",
+        ):
             if getattr(self, name) is not None:
                 return name
         if self.response_format is not None and self.response_format.type != "text":

@@ -46,7 +46,10 @@ class RateLimiter:
         "tokens": the limit that refused it), in which case nothing is charged."""
         now = time.monotonic() if now is None else now
         charges = []
-        for kind, per_minute, amount in (("requests", self.requests_per_minute, 1), ("tokens", self.tokens_per_minute, tokens)):
+        for kind, per_minute, amount in (
+            ("requests", self.requests_per_minute, 1),
+            ("tokens", self.tokens_per_minute, tokens),
+        ):
             if not per_minute:
                 continue
             bucket = self._buckets.get((client, kind))

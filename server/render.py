@@ -77,9 +77,7 @@ def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> ChatLo
     content = []
     for entry in entries:
         sampled = top(entry.token_id, entry.logprob)
-        content.append(
-            ChatTokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top])
-        )
+        content.append(ChatTokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in entry.top]))
     return ChatLogprobs(content=content)
 
 
@@ -109,9 +107,7 @@ def chat_completion(job: Job, out: RequestOutput, strings: TokenStrings) -> Chat
         )
         for c in out.outputs
     ]
-    return ChatCompletion(
-        id=job.id, created=job.created, model=job.model, choices=choices, usage=usage({0: out})
-    )
+    return ChatCompletion(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage({0: out}))
 
 
 def completion(job: Job, outputs: dict[int, RequestOutput], strings: TokenStrings) -> Completion:
@@ -221,10 +217,16 @@ class ChatChunker(_Chunker):
                     chunks.append(f'{self._prefix}{part.index},"delta":{{"content":{content}}}{self._suffix}')
             if part.finish_reason is not None:
                 # OpenAI ends each choice with a chunk of its own: an empty delta and the reason.
-                chunks.append(self._chunk(ChatChunkChoice(
-                    index=part.index, delta=Delta(), finish_reason=part.finish_reason,
-                    stop_reason=part.choice.stop_reason,
-                )).model_dump_json())
+                chunks.append(
+                    self._chunk(
+                        ChatChunkChoice(
+                            index=part.index,
+                            delta=Delta(),
+                            finish_reason=part.finish_reason,
+                            stop_reason=part.choice.stop_reason,
+                        )
+                    ).model_dump_json()
+                )
         return chunks
 
     def usage_chunk(self) -> str:
@@ -268,7 +270,10 @@ class CompletionChunker(_Chunker):
                 logprobs = completion_logprobs(part.logprobs, self.strings, part.sent.text_offset)
                 part.sent.text_offset += sum(len(t) for t in logprobs.tokens)
             choice = CompletionChoice(
-                index=part.index, text=part.text, logprobs=logprobs, finish_reason=part.finish_reason,
+                index=part.index,
+                text=part.text,
+                logprobs=logprobs,
+                finish_reason=part.finish_reason,
                 stop_reason=part.choice.stop_reason if part.finish_reason else None,
             )
             chunks.append(self._chunk([choice]).model_dump_json())

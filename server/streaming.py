@@ -87,7 +87,9 @@ class Generation:
         self._ready: deque[tuple[int, object]] = deque()
         self._waiter: asyncio.Future | None = None
         self._prompts = [
-            _Prompt(self, i, request_id if len(prompts) == 1 else f"{request_id}-{i}", RequestTracker(metrics, params.n))
+            _Prompt(
+                self, i, request_id if len(prompts) == 1 else f"{request_id}-{i}", RequestTracker(metrics, params.n)
+            )
             for i in range(len(prompts))
         ]
         self._remaining = len(prompts)

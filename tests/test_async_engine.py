@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine import EngineConfig, InvalidParameter, LLM, SamplingParams
+from engine import LLM, EngineConfig, InvalidParameter, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 
 

@@ -25,8 +25,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("bench-server"), "--max-model-len", "512",
-                       "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log")
+    srv = start_server(
+        tmp_path_factory.mktemp("bench-server"),
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "128",
+        "--disable-uvicorn-access-log",
+    )
     yield srv
     srv.stop()
 
@@ -47,9 +53,25 @@ def requests_of(result: dict) -> list[dict]:
 
 
 def test_fixed_concurrency_run_accounts_every_request(server, tmp_path, capsys):
-    rc, result = run(tmp_path, "--base-url", f"{server.url}/v1", "--num-prompts", "6", "--max-concurrency", "3",
-                     "--random-input-len", "16", "--random-output-len", "8", "--num-warmups", "1",
-                     "--goodput", "ttft:600000", "tpot:600000", "--save-detailed")
+    rc, result = run(
+        tmp_path,
+        "--base-url",
+        f"{server.url}/v1",
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "3",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--num-warmups",
+        "1",
+        "--goodput",
+        "ttft:600000",
+        "tpot:600000",
+        "--save-detailed",
+    )
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     assert result["label"] == "pagoda" and result["model"] == "SmolLM2-135M-Instruct"
@@ -86,9 +108,23 @@ def test_fixed_concurrency_run_accounts_every_request(server, tmp_path, capsys):
 
 def test_chat_corpus_and_poisson_duration(server, tmp_path):
     # Chat endpoint + the corpus (text prompts cut with the server's tokenizer).
-    rc, result = run(tmp_path, "--base-url", server.url, "--endpoint", "/v1/chat/completions",
-                     "--dataset-name", "corpus", "--input-len", "32", "--output-len", "4", "--num-prompts", "3",
-                     "--save-detailed", name="chat.json")
+    rc, result = run(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--dataset-name",
+        "corpus",
+        "--input-len",
+        "32",
+        "--output-len",
+        "4",
+        "--num-prompts",
+        "3",
+        "--save-detailed",
+        name="chat.json",
+    )
     assert rc == 0
     for r in requests_of(result):
         assert r["success"], r["error"]
@@ -97,9 +133,23 @@ def test_chat_corpus_and_poisson_duration(server, tmp_path):
         assert r["prompt_len"] > 32  # the passage plus the chat template
 
     # --duration with Poisson arrivals: requests are issued only within the duration, and all accounted for.
-    rc, result = run(tmp_path, "--base-url", server.url, "--duration", "1.0", "--request-rate", "4",
-                     "--random-input-len", "8", "--random-output-len", "2", "--num-prompts", "50",
-                     "--save-detailed", name="duration.json")
+    rc, result = run(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--duration",
+        "1.0",
+        "--request-rate",
+        "4",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--num-prompts",
+        "50",
+        "--save-detailed",
+        name="duration.json",
+    )
     assert rc == 0
     requests = requests_of(result)
     m = result["runs"][0]["metrics"]
@@ -109,9 +159,22 @@ def test_chat_corpus_and_poisson_duration(server, tmp_path):
 
 
 def test_sweep_then_plot_two_result_files(server, tmp_path):
-    rc, result = run(tmp_path, "--base-url", server.url, "--sweep-concurrency", "1,2", "--num-prompts", "2",
-                     "--random-input-len", "8", "--random-output-len", "3", "--plot", str(tmp_path / "own.png"),
-                     name="pagoda.json")
+    rc, result = run(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--sweep-concurrency",
+        "1,2",
+        "--num-prompts",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "3",
+        "--plot",
+        str(tmp_path / "own.png"),
+        name="pagoda.json",
+    )
     assert rc == 0
     assert [r["max_concurrency"] for r in result["runs"]] == [1, 2]
     assert all(r["metrics"]["completed"] == 2 for r in result["runs"])
@@ -131,8 +194,19 @@ def test_sweep_then_plot_two_result_files(server, tmp_path):
 
 
 def test_nothing_listening_reports_every_request_failed(tmp_path):
-    rc, result = run(tmp_path, "--base-url", f"http://127.0.0.1:{_free_port()}", "--num-prompts", "5",
-                     "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "4")
+    rc, result = run(
+        tmp_path,
+        "--base-url",
+        f"http://127.0.0.1:{_free_port()}",
+        "--num-prompts",
+        "5",
+        "--max-concurrency",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "4",
+    )
     assert rc == 1  # no request completed
     m = result["runs"][0]["metrics"]
     assert m["completed"] == 0 and m["failed"] == 5
@@ -142,12 +216,26 @@ def test_nothing_listening_reports_every_request_failed(tmp_path):
 
 
 def test_server_killed_mid_run_counts_failed_requests(tmp_path):
-    victim = start_server(tmp_path, "--max-model-len", "256", "--num-gpu-blocks-override", "64",
-                          "--disable-uvicorn-access-log")
+    victim = start_server(
+        tmp_path, "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--disable-uvicorn-access-log"
+    )
     outcome: dict = {}
-    argv = ["--base-url", victim.url, "--num-prompts", "6", "--max-concurrency", "2", "--random-input-len", "8",
-            "--random-output-len", "64", "--save-detailed", "--disable-tqdm",
-            "--result-file", str(tmp_path / "killed.json")]
+    argv = [
+        "--base-url",
+        victim.url,
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "64",
+        "--save-detailed",
+        "--disable-tqdm",
+        "--result-file",
+        str(tmp_path / "killed.json"),
+    ]
     client = threading.Thread(target=lambda: outcome.setdefault("rc", latency.main(argv)))
     try:
         client.start()
@@ -155,8 +243,10 @@ def test_server_killed_mid_run_counts_failed_requests(tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             metrics = httpx.get(f"{victim.url}/metrics", timeout=5).text
-            if any(line.startswith("pagoda:generation_tokens_total") and float(line.split()[-1]) > 0
-                   for line in metrics.splitlines()):
+            if any(
+                line.startswith("pagoda:generation_tokens_total") and float(line.split()[-1]) > 0
+                for line in metrics.splitlines()
+            ):
                 break
             time.sleep(0.05)
         victim.process.send_signal(signal.SIGKILL)
@@ -199,11 +289,23 @@ def test_unbounded_rate_sends_everything_at_once():
 
 def test_metrics_follow_vllm_definitions():
     def result(ttft: float, e2el: float, tokens: int, itl: list[float]) -> latency.RequestResult:
-        return latency.RequestResult(success=True, prompt_len=10, output_tokens=tokens, max_tokens=tokens,
-                                     usage_reported=True, ttft=ttft, e2el=e2el, itl=itl)
+        return latency.RequestResult(
+            success=True,
+            prompt_len=10,
+            output_tokens=tokens,
+            max_tokens=tokens,
+            usage_reported=True,
+            ttft=ttft,
+            e2el=e2el,
+            itl=itl,
+        )
 
-    results = [result(0.1, 1.1, 11, [0.1] * 10), result(0.3, 0.3, 1, []), result(0.2, 2.2, 5, [0.5] * 4),
-               latency.RequestResult(error="ConnectError")]
+    results = [
+        result(0.1, 1.1, 11, [0.1] * 10),
+        result(0.3, 0.3, 1, []),
+        result(0.2, 2.2, 5, [0.5] * 4),
+        latency.RequestResult(error="ConnectError"),
+    ]
     m = latency.compute_metrics(results, duration=4.0, goodput_slos={"ttft": 250, "tpot": 200})
     assert (m["completed"], m["failed"]) == (3, 1)
     assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 17

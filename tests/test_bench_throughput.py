@@ -21,12 +21,30 @@ def sweep(tiny_model_dir, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, whether or not it is installed
     try:
-        rc = throughput.main([
-            "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--dtype", "float32",
-            "--load-format", "dummy", "--engines", "pagoda,transformers,vllm",
-            "--batch-sizes", "1,2", "--input-lens", "8", "--output-lens", "4,300",
-            "--csv", str(out / "sweep.csv"), "--plot-dir", str(out / "plots"),
-        ])
+        rc = throughput.main(
+            [
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--load-format",
+                "dummy",
+                "--engines",
+                "pagoda,transformers,vllm",
+                "--batch-sizes",
+                "1,2",
+                "--input-lens",
+                "8",
+                "--output-lens",
+                "4,300",
+                "--csv",
+                str(out / "sweep.csv"),
+                "--plot-dir",
+                str(out / "plots"),
+            ]
+        )
     finally:
         mp.undo()
     return rc, out
@@ -41,7 +59,10 @@ def test_sweep_writes_one_csv_row_per_engine_and_point(sweep, capsys):
         rows = list(reader)
     # output 300 is past the tiny model's 256 positions: skipped, so batch {1, 2} x in 8 x out 4 per engine.
     assert sorted((r["engine"], int(r["batch_size"])) for r in rows) == [
-        ("pagoda", 1), ("pagoda", 2), ("transformers", 1), ("transformers", 2)
+        ("pagoda", 1),
+        ("pagoda", 2),
+        ("transformers", 1),
+        ("transformers", 2),
     ]
     for r in rows:
         assert (int(r["input_len"]), int(r["output_len"]), r["dtype"], r["device"]) == (8, 4, "float32", "cpu")
@@ -63,11 +84,26 @@ def test_sweep_writes_throughput_and_ratio_plots(sweep):
 
 def test_missing_vllm_is_reported_and_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    rc = throughput.main([
-        "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--engines", "vllm",
-        "--batch-sizes", "1", "--input-lens", "8", "--output-lens", "4", "--csv", str(tmp_path / "v.csv"),
-        "--plot-dir", str(tmp_path / "plots"),
-    ])
+    rc = throughput.main(
+        [
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--device",
+            "cpu",
+            "--engines",
+            "vllm",
+            "--batch-sizes",
+            "1",
+            "--input-lens",
+            "8",
+            "--output-lens",
+            "4",
+            "--csv",
+            str(tmp_path / "v.csv"),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+        ]
+    )
     assert rc == 0
     assert "vllm: skipped, cannot import vllm" in capsys.readouterr().out
     assert (tmp_path / "v.csv").read_text().strip() == ",".join(throughput.CSV_COLUMNS)  # header only
@@ -76,8 +112,22 @@ def test_missing_vllm_is_reported_and_skipped(tiny_model_dir, tmp_path, monkeypa
 
 def test_single_point_mode_appends_json_lines(tiny_model_dir, tmp_path):
     out = tmp_path / "point.jsonl"
-    argv = ["--model", str(tiny_model_dir("llama")), "--device", "cpu", "--engines", "pagoda,transformers",
-            "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--out", str(out)]
+    argv = [
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--device",
+        "cpu",
+        "--engines",
+        "pagoda,transformers",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--out",
+        str(out),
+    ]
     assert throughput.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["engine"] for r in rows] == ["pagoda", "transformers"]
@@ -86,8 +136,20 @@ def test_single_point_mode_appends_json_lines(tiny_model_dir, tmp_path):
 
 def test_single_point_len_range_runs_pagoda_only(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "w2.jsonl"
-    argv = ["--model", str(tiny_model_dir("llama")), "--device", "cpu", "--engines", "pagoda,transformers",
-            "--num-prompts", "3", "--len-range", "2,6", "--out", str(out)]
+    argv = [
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--device",
+        "cpu",
+        "--engines",
+        "pagoda,transformers",
+        "--num-prompts",
+        "3",
+        "--len-range",
+        "2,6",
+        "--out",
+        str(out),
+    ]
     assert throughput.main(argv) == 0
     assert "transformers: skipped" in capsys.readouterr().out
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]

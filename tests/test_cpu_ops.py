@@ -109,8 +109,17 @@ def test_paged_attention_matches_the_reference(dtype, heads, kv_heads, head_dim,
     batch = make_batch(CTX, QLEN, heads, kv_heads, head_dim, block_size, dtype, device="cpu")
     out = poisoned_like(batch["q"])
     seqs = torch.arange(len(CTX), dtype=torch.int32)
-    cpu_ops.paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
-                            batch["query_start"], batch["seq_lens"], seqs, batch["scale"], out)
+    cpu_ops.paged_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["block_tables"],
+        batch["query_start"],
+        batch["seq_lens"],
+        seqs,
+        batch["scale"],
+        out,
+    )
     assert_close(out, reference(**batch), dtype)
 
 
@@ -118,8 +127,17 @@ def test_paged_attention_writes_only_the_listed_sequences():
     batch = make_batch(CTX, QLEN, 4, 2, 64, 16, torch.float32, device="cpu")
     out = poisoned_like(batch["q"])
     seqs = torch.tensor([1, 3], dtype=torch.int32)
-    cpu_ops.paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
-                            batch["query_start"], batch["seq_lens"], seqs, batch["scale"], out)
+    cpu_ops.paged_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["block_tables"],
+        batch["query_start"],
+        batch["seq_lens"],
+        seqs,
+        batch["scale"],
+        out,
+    )
     starts = batch["query_start"].tolist()
     listed = torch.zeros(out.shape[0], dtype=torch.bool)
     for s in (1, 3):
@@ -143,9 +161,14 @@ def test_attention_layer_cpu_backend_equals_the_torch_backend(dtype):
         for pos in range(seq_len - qlen[s], seq_len):
             slots.append(int(batch["block_tables"][s, pos // block_size]) * block_size + pos % block_size)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start=starts, seq_lens=batch["seq_lens"].tolist(),
-        block_tables=batch["block_tables"], seq_lens_tensor=batch["seq_lens"], query_start_tensor=batch["query_start"],
-        max_query_len=max(qlen), max_seq_len=max(batch["seq_lens"].tolist()),
+        slot_mapping=torch.tensor(slots),
+        query_start=starts,
+        seq_lens=batch["seq_lens"].tolist(),
+        block_tables=batch["block_tables"],
+        seq_lens_tensor=batch["seq_lens"],
+        query_start_tensor=batch["query_start"],
+        max_query_len=max(qlen),
+        max_seq_len=max(batch["seq_lens"].tolist()),
     )
     outs, caches = {}, {}
     for backend in ("torch", "cpu"):
@@ -155,8 +178,12 @@ def test_attention_layer_cpu_backend_equals_the_torch_backend(dtype):
         outs[backend] = layer(batch["q"], k, v, meta)
         caches[backend] = (layer.k_cache, layer.v_cache)
     assert torch.equal(caches["cpu"][0], caches["torch"][0]) and torch.equal(caches["cpu"][1], caches["torch"][1])
-    torch.testing.assert_close(outs["cpu"].float(), outs["torch"].float(),
-                               rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(
+        outs["cpu"].float(),
+        outs["torch"].float(),
+        rtol=1e-5 if dtype == torch.float32 else 2e-2,
+        atol=1e-5 if dtype == torch.float32 else 2e-2,
+    )
 
 
 def test_engine_cpu_backend_greedy_equals_the_torch_backend(default_model_dir):
@@ -186,8 +213,14 @@ def test_without_a_compiler_the_cpu_falls_back_to_torch(tmp_path):
         "print(json.dumps([cpu_ops.available(), auto, forced]))\n"
     )
     env = {**os.environ, "CC": str(tmp_path / "no-such-compiler"), "PAGODA_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     available, auto, forced = json.loads(run.stdout.strip().splitlines()[-1])
     assert (available, auto) == (False, "torch")
     assert "C compiler" in forced

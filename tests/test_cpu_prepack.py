@@ -8,8 +8,9 @@ from torch import nn
 
 from engine.layers.linear import PackedLinear, can_prepack, prepack_linears
 
-pytestmark = pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")),
-                                reason="this CPU has no native bfloat16 for oneDNN")
+pytestmark = pytest.mark.skipif(
+    not can_prepack(torch.bfloat16, torch.device("cpu")), reason="this CPU has no native bfloat16 for oneDNN"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])

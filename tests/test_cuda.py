@@ -40,8 +40,11 @@ def test_tiny_architectures_match_transformers_on_cuda(arch, backend, tiny_model
     for mode, (kwargs, alone) in MODES.items():
         kwargs = {"num_gpu_blocks_override": 256, **BACKENDS[backend], **kwargs}  # small pool: engines share the GPU
         llm = LLM(str(model_dir), dtype="float32", device="cuda", **kwargs)
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts] if alone else \
-            llm.generate(prompts, params, use_tqdm=False)
+        outs = (
+            [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            if alone
+            else llm.generate(prompts, params, use_tqdm=False)
+        )
         assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda ({backend}): {mode!r} diverges"
         runner = llm.engine.runner
         assert (runner.graphs is not None) == (backend == "triton-graphs")
@@ -57,14 +60,23 @@ def test_piecewise_prefill_graphs_and_eager_steps_mixed(arch, tiny_model_dir):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 100, 33, 5)]
     expected = _hf_greedy_on_cuda(model_dir, prompts, 24)
-    llm = LLM(str(model_dir), dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks_override=256,
-              max_prefill_graph_tokens=64, max_num_batched_tokens=96)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cuda",
+        attention_backend="triton",
+        num_gpu_blocks_override=256,
+        max_prefill_graph_tokens=64,
+        max_num_batched_tokens=96,
+    )
     graphs = llm.engine.runner.prefill_graphs
     assert graphs.sizes == [16, 32, 48, 64]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    alone = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
-             for p in prompts]
+    alone = [
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+        for p in prompts
+    ]
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert graphs.replays >= 5  # the short prompts alone, at least
 
@@ -72,8 +84,14 @@ def test_piecewise_prefill_graphs_and_eager_steps_mixed(arch, tiny_model_dir):
 def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():
     gc.collect()  # engines of earlier tests hold GPU memory until collected
     torch.cuda.empty_cache()
-    llm = LLM(str(CONFIGS / "qwen3-0.6b"), dtype="bfloat16", device="cuda", load_format="dummy",
-              gpu_memory_utilization=0.5, max_model_len=4096)
+    llm = LLM(
+        str(CONFIGS / "qwen3-0.6b"),
+        dtype="bfloat16",
+        device="cuda",
+        load_format="dummy",
+        gpu_memory_utilization=0.5,
+        max_model_len=4096,
+    )
     engine = llm.engine
     free, total = torch.cuda.mem_get_info()
     kv_bytes = engine.runner.num_blocks * engine.runner.bytes_per_block
@@ -126,8 +144,9 @@ def test_no_triton_kernel_compiles_after_start_up(mode):
 
     root = Path(__file__).resolve().parents[1]
     args = [str(CONFIGS / "qwen3-0.6b"), "graphs" if mode == "fa4" else mode, "256" if mode == "fa4" else "0"]
-    result = subprocess.run([sys.executable, "-c", _NO_COMPILE_SCRIPT, *args], cwd=root,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILE_SCRIPT, *args], cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     compiled = report["compiled"]

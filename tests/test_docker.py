@@ -141,7 +141,9 @@ def test_dockerfile_exposes_the_port_it_serves():
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
-    patterns = {p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")}
+    patterns = {
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    }
     for needed in (".venv", ".git", "bench/results", ".pytest_cache", ".hypothesis", "**/__pycache__"):
         assert needed in patterns, needed
     copied = {"pyproject.toml", "README.md", "engine", "server"}
@@ -155,8 +157,11 @@ def test_dockerignore_keeps_the_context_small_but_complete():
 def server(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("docker"), "--max-model-len", "512", "--num-gpu-blocks-override", "64")
     try:
-        reply = httpx.post(f"{srv.url}/v1/completions", timeout=120,
-                           json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4})
+        reply = httpx.post(
+            f"{srv.url}/v1/completions",
+            timeout=120,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4},
+        )
         assert reply.status_code == 200, reply.text
         yield srv
     finally:
@@ -192,8 +197,20 @@ def test_healthcheck_probes_health_like_the_tests(server):
 # ----- the dashboard's PromQL against what pagoda exports -----
 
 _PROMQL_WORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or", "unless",
-    "atan2", "inf", "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "and",
+    "or",
+    "unless",
+    "atan2",
+    "inf",
+    "nan",
 }
 
 
@@ -214,11 +231,15 @@ def promql_metric_names(expr: str) -> set[str]:
 
 
 def test_promql_metric_name_extraction():
-    expr = ('histogram_quantile(0.9, sum by (le) (rate(pagoda:ttft_bucket{model_name=~"$model_name", le!="x"}'
-            '[$__rate_interval]))) / on (job) group_left sum(up) + 1e9')
+    expr = (
+        'histogram_quantile(0.9, sum by (le) (rate(pagoda:ttft_bucket{model_name=~"$model_name", le!="x"}'
+        "[$__rate_interval]))) / on (job) group_left sum(up) + 1e9"
+    )
     assert promql_metric_names(expr) == {"pagoda:ttft_bucket", "up"}
     assert promql_metric_names("label_values(pagoda:num_requests_running, model_name)") == {
-        "pagoda:num_requests_running", "model_name"}
+        "pagoda:num_requests_running",
+        "model_name",
+    }
 
 
 def dashboard_exprs() -> list[str]:
@@ -230,9 +251,17 @@ def dashboard_exprs() -> list[str]:
 
 def test_dashboard_covers_the_required_panels():
     exprs = "\n".join(dashboard_exprs())
-    for metric in ("request_success_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                   "generation_tokens_total", "prompt_tokens_total", "num_preemptions_total",
-                   "prefix_cache_hits_total", "prefix_cache_queries_total"):
+    for metric in (
+        "request_success_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "generation_tokens_total",
+        "prompt_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_hits_total",
+        "prefix_cache_queries_total",
+    ):
         assert f"pagoda:{metric}" in exprs, metric
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert re.search(rf"histogram_quantile\(0\.\d+, .*pagoda:{histogram}_bucket", exprs), histogram
@@ -274,10 +303,18 @@ def compose_command() -> list[str] | None:
 def compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
     command = compose_command()
     if command is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed; "
-                    "test_compose_structure still checks the file with PyYAML")
-    result = subprocess.run([*command, "-f", str(COMPOSE), *args, "config"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=60, env={"PATH": "/usr/bin:/bin:/usr/local/bin", **(env or {})})
+        pytest.skip(
+            "neither `docker compose` nor `docker-compose` is installed; "
+            "test_compose_structure still checks the file with PyYAML"
+        )
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE), *args, "config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin:/usr/local/bin", **(env or {})},
+    )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -293,8 +330,9 @@ def test_compose_config_validates_and_interpolates():
     assert default["services"].get("pagoda-cpu", {"profiles": ["cpu"]})["profiles"] == ["cpu"]
     assert as_argv(default["services"]["pagoda"].get("command")) == []  # the default model
 
-    custom = compose_config("--profile", "cpu",
-                            env={"MODEL": "/models/Qwen2.5-0.5B-Instruct", "PAGODA_ARGS": "--max-model-len 2048"})
+    custom = compose_config(
+        "--profile", "cpu", env={"MODEL": "/models/Qwen2.5-0.5B-Instruct", "PAGODA_ARGS": "--max-model-len 2048"}
+    )
     for name in ("pagoda", "pagoda-cpu"):
         argv = as_argv(custom["services"][name]["command"])
         assert argv == ["/models/Qwen2.5-0.5B-Instruct", "--max-model-len", "2048"]
@@ -323,8 +361,10 @@ def test_compose_structure():
         assert container_ports(service) == {8000}
         volumes = service["volumes"]
         assert any(v.startswith("./models:/models") for v in volumes)
-        assert any(v.split(":")[1] == "/home/pagoda/.cache/huggingface" and v.split(":")[0] in compose["volumes"]
-                   for v in volumes)
+        assert any(
+            v.split(":")[1] == "/home/pagoda/.cache/huggingface" and v.split(":")[0] in compose["volumes"]
+            for v in volumes
+        )
     assert container_ports(services["prometheus"]) == {9090}
     assert container_ports(services["grafana"]) == {3000}
     for name, service in services.items():  # every bind-mounted file or directory is in the repo
@@ -347,7 +387,9 @@ def mount_target(service: dict, source: str) -> str:
 def test_prometheus_scrapes_the_pagoda_service():
     compose = load_compose()
     config = yaml.safe_load(PROMETHEUS.read_text())
-    assert mount_target(compose["services"]["prometheus"], "./docker/prometheus.yml") == "/etc/prometheus/prometheus.yml"
+    assert (
+        mount_target(compose["services"]["prometheus"], "./docker/prometheus.yml") == "/etc/prometheus/prometheus.yml"
+    )
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "pagoda"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
     (target,) = [t for group in job["static_configs"] for t in group["targets"]]

@@ -56,7 +56,9 @@ def test_n_children_share_the_prompt_blocks_and_differ(tiny):
     assert len({tuple(c.token_ids) for c in completions}) == 3
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     # Greedy children are identical and equal to n = 1.
-    greedy = tiny.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    greedy = tiny.generate(
+        [prompt], SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     single = tiny.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert greedy[0].outputs[0].token_ids == greedy[0].outputs[1].token_ids == single[0].outputs[0].token_ids
 
@@ -70,13 +72,17 @@ def test_stop_strings_stop_token_ids_and_lengths(smol):
     cut = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
     out = cut.outputs[0]
     assert out.text == full.text[:12] and out.finish_reason == "stop" and out.stop_reason == stop
-    kept = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop],
-                                                  include_stop_str_in_output=True), use_tqdm=False)[0]
+    kept = smol.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]
     assert kept.outputs[0].text == full.text[:16]
     stop_id = full.token_ids[6]
     first = full.token_ids.index(stop_id)
-    by_id = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]),
-                          use_tqdm=False)[0].outputs[0]
+    by_id = smol.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
     assert by_id.token_ids == full.token_ids[: first + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
 
@@ -86,12 +92,14 @@ def test_eos_and_min_tokens(smol):
     natural = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100), use_tqdm=False)[0].outputs[0]
     assert natural.finish_reason == "stop" and natural.token_ids[-1] in smol.engine.eos_token_ids
     n = len(natural.token_ids)
-    longer = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100, min_tokens=n + 5),
-                           use_tqdm=False)[0].outputs[0]
+    longer = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100, min_tokens=n + 5), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(longer.token_ids) >= n + 5
     assert not any(t in smol.engine.eos_token_ids for t in longer.token_ids[: n + 4])
-    ignoring = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n + 10, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0]
+    ignoring = smol.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=n + 10, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(ignoring.token_ids) == n + 10 and ignoring.finish_reason == "length"
 
 
@@ -99,8 +107,9 @@ def test_logprobs_are_those_of_the_model(smol):
     from transformers import AutoModelForCausalLM
 
     prompt = chat_ids(smol, "Name a color.")
-    out = smol.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=3),
-                        use_tqdm=False)[0].outputs[0]
+    out = smol.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=3), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     hf = AutoModelForCausalLM.from_pretrained(smol.engine.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -181,8 +190,17 @@ def test_a_request_queued_past_its_timeout_finishes_with_timeout(tiny_model_dir)
 def test_async_scheduling_gives_the_same_outputs(default_model_dir):
     """Scheduling step N+1 before step N's tokens are read changes nothing a client sees: stops,
     EOS, lengths, seeds, n > 1, logprobs, penalties (which fall back to waiting)."""
-    llms = [LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, async_scheduling=a,
-                max_num_batched_tokens=64) for a in (False, True)]
+    llms = [
+        LLM(
+            str(default_model_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=512,
+            async_scheduling=a,
+            max_num_batched_tokens=64,
+        )
+        for a in (False, True)
+    ]
     prompts = [chat_ids(llms[0], t) for t in ("Count from one to ten.", "Name a color.", "Hi", "Write a poem.")]
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, stop=["5."]),
@@ -193,16 +211,22 @@ def test_async_scheduling_gives_the_same_outputs(default_model_dir):
     runs = [llm.generate(prompts, params, use_tqdm=False) for llm in llms]
     for sync, overlapped in zip(*runs):
         for a, b in zip(sync.outputs, overlapped.outputs):
-            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
-                                                                              b.stop_reason)
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+            )
             assert (a.logprobs is None) == (b.logprobs is None)
             if a.logprobs:
                 assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
     with_penalty = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5)
     outs = [llm.generate(prompts[:2], with_penalty, use_tqdm=False) for llm in llms]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
-    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in runs[0]][:2] == [("stop", "5."),
-                                                                                             ("stop", None)]
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in runs[0]][:2] == [
+        ("stop", "5."),
+        ("stop", None),
+    ]
     for llm in llms:
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
@@ -225,8 +249,11 @@ def test_the_cli_offers_every_attention_backend():
 
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
         EngineConfig(attention_backend="tpu")
-    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
-                 if a.dest == "attention_backend")
+    serve = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+        if a.dest == "attention_backend"
+    )
     assert list(serve.choices) == ["auto", *BACKENDS]
 
 

@@ -38,10 +38,15 @@ MODES = {
     "batch": ({}, False),
     "chunked": ({"max_num_batched_tokens": 32}, False),
     "preempt": ({"num_gpu_blocks_override": 12, "max_model_len": 192}, False),
-    "swap": ({"num_gpu_blocks_override": 12, "max_model_len": 192, "preemption_mode": "swap", "swap_space": 0.01}, False),
+    "swap": (
+        {"num_gpu_blocks_override": 12, "max_model_len": 192, "preemption_mode": "swap", "swap_space": 0.01},
+        False,
+    ),
     # Step N+1 scheduled while step N runs: chunked prefill and preemption with tokens in flight.
-    "async": ({"async_scheduling": True, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 12,
-               "max_model_len": 192}, False),
+    "async": (
+        {"async_scheduling": True, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 12, "max_model_len": 192},
+        False,
+    ),
 }
 
 
@@ -83,9 +88,11 @@ def test_triton_backend_matches_transformers(arch, tiny_model_dir):
     expected = hf_greedy(model_dir, prompts, 12)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # A fixed pool: sizing from free GPU memory would see the other tests' engines.
-    modes = {"batch": {"num_gpu_blocks_override": 64},
-             "chunked": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 64},
-             "preempt": {"num_gpu_blocks_override": 7, "max_model_len": 64}}
+    modes = {
+        "batch": {"num_gpu_blocks_override": 64},
+        "chunked": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 64},
+        "preempt": {"num_gpu_blocks_override": 7, "max_model_len": 64},
+    }
     for mode, kwargs in modes.items():
         llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend="triton", **kwargs)
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -130,7 +137,10 @@ def test_default_model_matches_transformers(default_model_dir):
 
 def test_default_model_answers_paris():
     llm = LLM(dtype="float32", device="cpu")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].text.startswith("The capital of France is Paris.")
     assert out.outputs[0].finish_reason in ("stop", "length")

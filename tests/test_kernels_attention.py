@@ -71,8 +71,11 @@ def test_prefill_mixed_batch(dtype, heads, kv_heads, head_dim, block_size):
 
 @pytest.mark.parametrize(
     "config",
-    [{"FOLD_SCALE": True}, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
-     {"BLOCK_M": 32, "BLOCK_N": 128, "FOLD_SCALE": True}],
+    [
+        {"FOLD_SCALE": True},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 32, "BLOCK_N": 128, "FOLD_SCALE": True},
+    ],
 )
 def test_prefill_tile_configs(config):
     # The tile shapes and the folded-scale softmax that bench/gpu_check.py prefill-tune times.
@@ -257,9 +260,16 @@ def _metadata(batch, fresh: bool):
 
     seq_lens, query_start = batch["seq_lens"], batch["query_start"]
     return AttentionMetadata(
-        slot_mapping=torch.empty(0), query_start=query_start.tolist(), seq_lens=seq_lens.tolist(),
-        block_tables=batch["block_tables"], seq_lens_tensor=seq_lens, query_start_tensor=query_start,
-        max_query_len=int((query_start[1:] - query_start[:-1]).max()), max_seq_len=int(seq_lens.max()), fresh=fresh)
+        slot_mapping=torch.empty(0),
+        query_start=query_start.tolist(),
+        seq_lens=seq_lens.tolist(),
+        block_tables=batch["block_tables"],
+        seq_lens_tensor=seq_lens,
+        query_start_tensor=query_start,
+        max_query_len=int((query_start[1:] - query_start[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+        fresh=fresh,
+    )
 
 
 @pytest.mark.skipif(not fa4_on_hopper(), reason=NEEDS_FA4)
@@ -276,8 +286,9 @@ def test_fa4_prompt_route_matches_reference(heads, kv_heads, head_dim):
     q, k, v = _fresh_kv(batch)
     assert_close(attn._fa4(q, k, v, _metadata(batch, fresh=True)), reference(**batch), torch.bfloat16)
 
-    batch = make_batch([0, 37, 500, 5, 3000], [300, 1, 130, 700, 1], heads, kv_heads, head_dim, 16, torch.bfloat16,
-                       seed=22)
+    batch = make_batch(
+        [0, 37, 500, 5, 3000], [300, 1, 130, 700, 1], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=22
+    )
     attn.k_cache, attn.v_cache = batch["k_cache"], batch["v_cache"]
     out = attn._fa4(batch["q"], None, None, _metadata(batch, fresh=False))
     assert_close(out, reference(**batch), torch.bfloat16)

@@ -184,7 +184,9 @@ def _check_prep(q, k, caches, expected, dtype, norm):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("t,hq,hk,d,rope", [(7, 4, 2, 64, "default"), (5, 8, 1, 128, "llama3"), (1, 2, 2, 64, "llama3")])
+@pytest.mark.parametrize(
+    "t,hq,hk,d,rope", [(7, 4, 2, 64, "default"), (5, 8, 1, 128, "llama3"), (1, 2, 2, 64, "llama3")]
+)
 def test_prepare_and_store_matches_norm_rotary_store(dtype, norm, t, hq, hk, d, rope):
     case = _prep_case(t, hq, hk, d, rope, norm, dtype, seed=5)
     rotary, positions, qkv, q, k, v, norms, slots, caches = case

@@ -48,17 +48,22 @@ def test_outputs_equal_with_and_without_prefix_caching(tiny_model_dir):
 def test_default_model_outputs_equal_with_and_without_prefix_caching(default_model_dir):
     llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512)
     tok = llm.tokenizer
-    system = ("You are a terse assistant who answers in one short sentence. Never use lists, never use "
-              "headings, never apologise, and never repeat the question back to the user.")
-    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
-               for q in ("What is the capital of France?", "Name a large ocean.", "What color is grass?")]
+    system = (
+        "You are a terse assistant who answers in one short sentence. Never use lists, never use "
+        "headings, never apologise, and never repeat the question back to the user."
+    )
+    prompts = [
+        tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "Name a large ocean.", "What color is grass?")
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=32)
     cached = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     common = next(i for i, (a, b, c) in enumerate(zip(*prompts)) if not a == b == c)
     assert common >= 32
     assert llm.engine.block_manager.prefix_hit_tokens == 2 * (common // 16) * 16
-    plain_llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512,
-                    enable_prefix_caching=False)
+    plain_llm = LLM(
+        str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False
+    )
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
     assert cached == plain
 

@@ -17,8 +17,9 @@ CPU = torch.device("cpu")
 EOS = 9
 
 
-def make_row(params: SamplingParams, seed: int = 0, prompt: list[int] | None = None,
-             output: list[int] | None = None) -> SamplerRow:
+def make_row(
+    params: SamplingParams, seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None
+) -> SamplerRow:
     return SamplerRow(params, seed, prompt if prompt is not None else [0], output if output is not None else [])
 
 
@@ -29,8 +30,9 @@ SMALL_LOGITS = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.6, 0.2, -0.1, -0.5, -0.8, -1.
 DRAWS = 20_000
 
 
-def expected_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> np.ndarray:
+def expected_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
     """The target distribution straight from the definitions, in float64 numpy."""
     z = logits.double().numpy() / temperature
     p = np.exp(z - z.max())
@@ -44,7 +46,7 @@ def expected_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
         for i, v in enumerate(order):
             mass += p[v]
             if mass >= top_p:
-                p[order[i + 1:]] = 0.0
+                p[order[i + 1 :]] = 0.0
                 break
         p /= p.sum()
     if min_p > 0.0:
@@ -221,8 +223,13 @@ def test_mixed_batch_greedy_rows_stay_argmax():
     assert not torch.equal(out.token_ids[0::2], logits[0::2].argmax(dim=-1))
 
 
-def processed(params: SamplingParams, logits: torch.Tensor, prompt: list[int] | None = None,
-              output: list[int] | None = None, vocab: int | None = None) -> torch.Tensor:
+def processed(
+    params: SamplingParams,
+    logits: torch.Tensor,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    vocab: int | None = None,
+) -> torch.Tensor:
     sampler = Sampler(vocab or logits.shape[-1], frozenset({EOS}), CPU)
     return sampler.process_logits(logits[None], [make_row(params, prompt=prompt, output=output)])[0]
 
@@ -308,8 +315,9 @@ VOCAB = 1000
 TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(7)) * 3
 
 
-def run_streams(rows: list[tuple[SamplingParams, int]], steps: int = 40, sampler_vocab: int = VOCAB,
-                device: torch.device = CPU) -> list[list[int]]:
+def run_streams(
+    rows: list[tuple[SamplingParams, int]], steps: int = 40, sampler_vocab: int = VOCAB, device: torch.device = CPU
+) -> list[list[int]]:
     """Autoregressive loop on a fake model whose next logits are a row of TABLE picked by the last token."""
     sampler = Sampler(sampler_vocab, frozenset({EOS}), device)
     # One prompt for all, so streams differ only through their seeds.

@@ -50,29 +50,47 @@ def engine_factory(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
 
     def make(
-        num_blocks: int, max_num_seqs: int, budget: int, chunked: bool, prefix_caching: bool, swap: bool = False,
+        num_blocks: int,
+        max_num_seqs: int,
+        budget: int,
+        chunked: bool,
+        prefix_caching: bool,
+        swap: bool = False,
         async_scheduling: bool = False,
     ) -> LLMEngine:
-        return LLMEngine(EngineConfig(
-            model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=num_blocks,
-            block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-            enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
-            preemption_mode="swap" if swap else "recompute", swap_space=0.0005, async_scheduling=async_scheduling,
-        ))
+        return LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                dtype="float32",
+                device="cpu",
+                num_gpu_blocks_override=num_blocks,
+                block_size=4,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=64,
+                enable_chunked_prefill=chunked,
+                enable_prefix_caching=prefix_caching,
+                preemption_mode="swap" if swap else "recompute",
+                swap_space=0.0005,
+                async_scheduling=async_scheduling,
+            )
+        )
 
     return make
 
 
-request_strategy = st.fixed_dictionaries({
-    "prompt_len": st.integers(1, 40),
-    "family": st.integers(0, 2),  # requests of a family share their leading tokens (prefix-cache hits)
-    "max_tokens": st.integers(1, 20),
-    "n": st.integers(1, 3),
-    "priority": st.integers(0, 2),
-    "abort_at": st.one_of(st.none(), st.integers(0, 30)),
-    "arrive_at": st.integers(0, 10),
-    "temperature": st.sampled_from([0.0, 1.0]),
-})
+request_strategy = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 40),
+        "family": st.integers(0, 2),  # requests of a family share their leading tokens (prefix-cache hits)
+        "max_tokens": st.integers(1, 20),
+        "n": st.integers(1, 3),
+        "priority": st.integers(0, 2),
+        "abort_at": st.one_of(st.none(), st.integers(0, 30)),
+        "arrive_at": st.integers(0, 10),
+        "temperature": st.sampled_from([0.0, 1.0]),
+    }
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -89,18 +107,28 @@ request_strategy = st.fixed_dictionaries({
 def test_random_workloads_finish_and_free_everything(
     engine_factory, requests, num_blocks, max_num_seqs, budget, chunked, prefix_caching, swap, async_scheduling
 ):
-    engine = engine_factory(num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching, swap,
-                            async_scheduling)
+    engine = engine_factory(
+        num_blocks, max_num_seqs, 64 if not chunked else budget, chunked, prefix_caching, swap, async_scheduling
+    )
     finished: dict[str, object] = {}
     step = 0
     pending = sorted(enumerate(requests), key=lambda x: x[1]["arrive_at"])
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1]["arrive_at"] <= step:
             i, r = pending.pop(0)
-            params = SamplingParams(n=min(r["n"], max_num_seqs), max_tokens=min(r["max_tokens"], 63 - r["prompt_len"]),
-                                    temperature=r["temperature"], ignore_eos=True, seed=i)
-            engine.add_request(f"r{i}", [(r["family"] * 7 + j) % 500 + 1 for j in range(r["prompt_len"])], params,
-                               priority=r["priority"])
+            params = SamplingParams(
+                n=min(r["n"], max_num_seqs),
+                max_tokens=min(r["max_tokens"], 63 - r["prompt_len"]),
+                temperature=r["temperature"],
+                ignore_eos=True,
+                seed=i,
+            )
+            engine.add_request(
+                f"r{i}",
+                [(r["family"] * 7 + j) % 500 + 1 for j in range(r["prompt_len"])],
+                params,
+                priority=r["priority"],
+            )
         for i, r in enumerate(requests):
             if r["abort_at"] == step and f"r{i}" in engine.requests:
                 engine.abort_request(f"r{i}")
@@ -166,8 +194,13 @@ def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_facto
     live: list[str] = []
     done = 0
     for i in range(1000):
-        params = SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=rng.randint(1, 8), ignore_eos=True,
-                                temperature=rng.choice([0.0, 1.0]), seed=i)
+        params = SamplingParams(
+            n=rng.choice([1, 1, 1, 2]),
+            max_tokens=rng.randint(1, 8),
+            ignore_eos=True,
+            temperature=rng.choice([0.0, 1.0]),
+            seed=i,
+        )
         family = rng.randint(0, 4)
         prompt = [(family * 11 + j) % 500 + 1 for j in range(rng.randint(1, 30))]
         engine.add_request(f"q{i}", prompt, params, priority=rng.randint(0, 3))

@@ -110,7 +110,13 @@ def wait_for_metric(url: str, name: str, want, timeout: float = 15.0) -> dict:
 def server(tmp_path_factory):
     srv = start_server(
         tmp_path_factory.mktemp("server"),
-        "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--served-model-name", MODEL, ALIAS,
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "512",
+        "--served-model-name",
+        MODEL,
+        ALIAS,
         "--disable-uvicorn-access-log",
     )
     yield srv
@@ -181,14 +187,19 @@ def test_alias_name_and_max_completion_tokens(client):
 
 
 def test_chat_stream_equals_non_stream_for_the_same_seed(async_client_factory):
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story about a cat."}],
-                  temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story about a cat."}],
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        max_tokens=12,
+    )
 
     async def main():
         client = async_client_factory()
         whole = await client.chat.completions.create(**kwargs)
-        stream = await client.chat.completions.create(**kwargs, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
         chunks = [chunk async for chunk in stream]
         return whole, chunks
 
@@ -251,16 +262,18 @@ def test_stop_strings(client):
     out = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20, stop="Paris")
     assert out.choices[0].message.content == "The capital of France is "
     assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == "Paris"
-    streamed = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=20,
-                                              stop=["zzz", "France"], stream=True)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=20, stop=["zzz", "France"], stream=True
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of "
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8,
-                                         logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert "".join(t.token for t in content[:7]) == PARIS  # the 8th is the end-of-sequence token
@@ -269,8 +282,9 @@ def test_chat_logprobs(client):
         assert entry.bytes == list(entry.token.encode())
         # Greedy: the chosen token is the most likely one.
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
-    stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8,
-                                            logprobs=True, top_logprobs=3, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3, stream=True
+    )
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
     # The second request reuses the first one's prompt blocks (prefix cache), so its tail is computed in a
@@ -279,19 +293,22 @@ def test_chat_logprobs(client):
 
 
 def test_completions_logprobs_and_echo(client):
-    out = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3,
-                                    logprobs=2)
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3, logprobs=2
+    )
     lp = out.choices[0].logprobs
     assert "".join(lp.tokens) == out.choices[0].text
     assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
     assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 2 and top[token] == logprob == max(top.values())
-    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                       max_tokens=3, echo=True)
+    echoed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3, echo=True
+    )
     assert echoed.choices[0].text == "The capital of France is" + out.choices[0].text
-    stream = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                       max_tokens=3, echo=True, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
 
 
@@ -301,8 +318,9 @@ def test_vllm_extra_parameters(client, tokenizer):
     top_k_1 = client.chat.completions.create(**base, temperature=1.5, seed=3, extra_body={"top_k": 1})
     assert top_k_1.choices[0].message.content == greedy
     forced = client.chat.completions.create(
-        **base, temperature=0, extra_body={"ignore_eos": True, "min_tokens": 6, "min_p": 0.1,
-                                           "repetition_penalty": 1.2, "priority": 1},
+        **base,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 6, "min_p": 0.1, "repetition_penalty": 1.2, "priority": 1},
     )
     assert forced.usage.completion_tokens == 6
     # Stop on the token " capital": the text ends before it, the reason names it.
@@ -320,20 +338,32 @@ def test_vllm_extra_parameters(client, tokenizer):
 
 def test_sampling_parameters_take_effect(client):
     base = dict(model=MODEL, messages=FRANCE, max_tokens=5)
-    a = client.chat.completions.create(**base, temperature=1.0, seed=11, presence_penalty=0.5,
-                                       frequency_penalty=0.5, user="someone")
-    b = client.chat.completions.create(**base, temperature=1.0, seed=11, presence_penalty=0.5,
-                                       frequency_penalty=0.5, user="someone")
+    a = client.chat.completions.create(
+        **base, temperature=1.0, seed=11, presence_penalty=0.5, frequency_penalty=0.5, user="someone"
+    )
+    b = client.chat.completions.create(
+        **base, temperature=1.0, seed=11, presence_penalty=0.5, frequency_penalty=0.5, user="someone"
+    )
     assert a.choices[0].message.content == b.choices[0].message.content  # seeded: reproducible
     token = 28120  # "hello"
-    biased = client.chat.completions.create(**base, temperature=1.0, logit_bias={str(token): 100},
-                                            logprobs=True)
+    biased = client.chat.completions.create(**base, temperature=1.0, logit_bias={str(token): 100}, logprobs=True)
     assert [t.token for t in biased.choices[0].logprobs.content] == ["hello"] * 5
 
 
 def test_null_parameters_take_their_defaults(server):
-    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
-            "stop": None, "seed": None, "tools": None, "logprobs": None, "stream": None}
+    body = {
+        "model": MODEL,
+        "messages": FRANCE,
+        "max_tokens": 3,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stop": None,
+        "seed": None,
+        "tools": None,
+        "logprobs": None,
+        "stream": None,
+    }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 3
@@ -342,8 +372,10 @@ def test_null_parameters_take_their_defaults(server):
 def test_message_shapes(client, server):
     messages = [
         {"role": "developer", "content": "You answer in one word."},
-        {"role": "user", "content": [{"type": "text", "text": "Capital of France?"},
-                                     {"type": "text", "text": "Answer briefly."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Capital of France?"}, {"type": "text", "text": "Answer briefly."}],
+        },
         {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "And of Italy?", "name": "bob"},
     ]
@@ -383,18 +415,24 @@ ERRORS = [
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": FRANCE, "stream": "maybe"}, 400, "stream"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "txt": "x"}]}]}, 400,
-     "messages[0].content[0].text"),
-    ("/v1/chat/completions", {"messages": FRANCE, "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "txt": "x"}]}]},
+        400,
+        "messages[0].content[0].text",
+    ),
+    ("/v1/chat/completions", {"messages": FRANCE, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": FRANCE, "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content[0].type"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": FRANCE}, 404, "model"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
@@ -423,8 +461,9 @@ def test_errors_are_openai_shaped(server, path, body, status, param):
 
 
 def test_malformed_json_and_wrong_content(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"messages": [',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json=["not", "an", "object"])
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -449,8 +488,9 @@ def test_bad_requests_do_not_disturb_a_stream(async_client_factory, client):
 
     async def main():
         c = async_client_factory()
-        stream = await c.completions.create(model=MODEL, prompt="The alphabet:", temperature=0, max_tokens=10,
-                                            stream=True)
+        stream = await c.completions.create(
+            model=MODEL, prompt="The alphabet:", temperature=0, max_tokens=10, stream=True
+        )
         bad = [c.completions.create(model=MODEL, prompt=[1, 10**9]) for _ in range(5)]
         bad += [c.chat.completions.create(model=MODEL, messages=FRANCE, temperature=9) for _ in range(5)]
         results = await asyncio.gather(*bad, return_exceptions=True)
@@ -498,8 +538,9 @@ def test_64_concurrent_streams_complete_with_correct_outputs(async_client_factor
     expected = [c.text for c in reference.choices]
 
     async def one(c, i):
-        stream = await c.completions.create(model=MODEL, prompt=prompts[i % 8], temperature=0, max_tokens=6,
-                                            stream=True)
+        stream = await c.completions.create(
+            model=MODEL, prompt=prompts[i % 8], temperature=0, max_tokens=6, stream=True
+        )
         parts, finish = [], None
         async for chunk in stream:
             parts.append(chunk.choices[0].text)
@@ -518,18 +559,29 @@ def test_64_concurrent_streams_complete_with_correct_outputs(async_client_factor
 def test_metrics_parse_and_move_with_requests(server, client):
     before = scrape(server.url)
     names = {name for name, _ in before}
-    for family in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-                   "prompt_tokens_total",
-                   "generation_tokens_total", "num_preemptions_total", "iteration_tokens_total_count",
-                   "prefix_cache_queries_total", "prefix_cache_hits_total",
-                   "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                   "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+    for family in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_requests_swapped",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "iteration_tokens_total_count",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+    ):
         assert f"pagoda:{family}" in names, family
     text = httpx.get(f"{server.url}/metrics").text
     assert f'pagoda:num_requests_running{{model_name="{MODEL}"}}' in text
 
-    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = scrape(server.url)
 
     def moved(name, labels=()):

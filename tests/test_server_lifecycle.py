@@ -23,9 +23,21 @@ def server(tmp_path_factory):
     # One sequence at a time and one waiting at most: the third concurrent request is refused;
     # a request that waits 4 s without a seat is refused too.
     srv = start_server(
-        tmp_path_factory.mktemp("server"), "--api-key", KEY, "--served-model-name", NAME,
-        "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "512",
-        "--num-gpu-blocks-override", "64", "--queue-timeout", "4",
+        tmp_path_factory.mktemp("server"),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        NAME,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "64",
+        "--queue-timeout",
+        "4",
     )
     yield srv
     srv.stop()
@@ -56,8 +68,9 @@ def test_api_key_is_required_except_on_health_and_metrics(server):
 
 def test_a_full_queue_answers_503_with_retry_after(server):
     client = client_for(server, KEY)
-    running = client.completions.create(model=NAME, prompt="Count:", max_tokens=400, stream=True,
-                                        extra_body={"ignore_eos": True})
+    running = client.completions.create(
+        model=NAME, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(running))  # it holds the only sequence seat now
     waiting_result = {}
 
@@ -79,8 +92,9 @@ def test_a_full_queue_answers_503_with_retry_after(server):
 def test_a_request_that_waits_past_the_queue_timeout_is_answered_503(server):
     client = client_for(server, KEY)
     before = scrape(server.url)
-    running = client.completions.create(model=NAME, prompt="Count:", max_tokens=400, stream=True,
-                                        extra_body={"ignore_eos": True})
+    running = client.completions.create(
+        model=NAME, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(running))
     t0 = time.monotonic()
     with pytest.raises(openai.InternalServerError) as err:
@@ -96,8 +110,9 @@ def test_a_request_that_waits_past_the_queue_timeout_is_answered_503(server):
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
     srv = start_server(tmp_path, "--max-model-len", "512", "--num-gpu-blocks-override", "64")
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count:", max_tokens=25, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Count:", max_tokens=25, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = [next(iter(stream))]
     srv.process.terminate()  # SIGTERM while the stream is in flight
     chunks += list(stream)
@@ -112,12 +127,32 @@ def test_help_explains_every_flag():
     pagoda = Path(sys.executable).with_name("pagoda")
     out = subprocess.run([str(pagoda), "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--dtype", "--max-model-len",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
-                 "--load-format", "--device", "--seed", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-                 "--max-waiting-requests", "--uvicorn-log-level", "--shutdown-timeout",
-                 "--disable-uvicorn-access-log", "--num-gpu-blocks-override", "--enable-prefix-caching",
-                 "--preemption-mode", "--swap-space", "--queue-timeout"):
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--served-model-name",
+        "--dtype",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--gpu-memory-utilization",
+        "--load-format",
+        "--device",
+        "--seed",
+        "--enable-chunked-prefill",
+        "--no-enable-chunked-prefill",
+        "--max-waiting-requests",
+        "--uvicorn-log-level",
+        "--shutdown-timeout",
+        "--disable-uvicorn-access-log",
+        "--num-gpu-blocks-override",
+        "--enable-prefix-caching",
+        "--preemption-mode",
+        "--swap-space",
+        "--queue-timeout",
+    ):
         assert flag in out.stdout, flag
     bad = subprocess.run([str(pagoda), "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--max-num-seqs" in bad.stderr
@@ -127,19 +162,26 @@ def test_async_scheduling_serves_the_same_answers_and_frees_aborted_blocks(tmp_p
     srv = start_server(tmp_path, "--async-scheduling", "--max-model-len", "512", "--num-gpu-blocks-override", "64")
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        greedy = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=FRANCE, temperature=0,
-                                                max_tokens=20)
+        greedy = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=FRANCE, temperature=0, max_tokens=20
+        )
         assert greedy.choices[0].message.content.startswith("The capital of France is Paris.")
-        kwargs = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", n=2, seed=7, temperature=0.9,
-                      max_tokens=10)
+        kwargs = dict(
+            model="SmolLM2-135M-Instruct", prompt="Once upon a time", n=2, seed=7, temperature=0.9, max_tokens=10
+        )
         whole = client.completions.create(**kwargs)
         streamed = {0: "", 1: ""}
         for chunk in client.completions.create(**kwargs, stream=True):
             for choice in chunk.choices:
                 streamed[choice.index] += choice.text
         assert streamed == {c.index: c.text for c in whole.choices} and whole.usage.completion_tokens == 20
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Count:", "max_tokens": 400, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": "Count:",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             for _ in range(3):

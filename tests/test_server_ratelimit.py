@@ -12,8 +12,15 @@ from tests.test_server import start_server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = start_server(
-        tmp_path_factory.mktemp("server"), "--rate-limit-requests-per-minute", "2",
-        "--rate-limit-tokens-per-minute", "600", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+        tmp_path_factory.mktemp("server"),
+        "--rate-limit-requests-per-minute",
+        "2",
+        "--rate-limit-tokens-per-minute",
+        "600",
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "64",
     )
     yield srv
     srv.stop()

@@ -9,7 +9,7 @@ import json
 import pytest
 from starlette.requests import Request
 
-from engine import EngineConfig, LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sequence import CompletionOutput, RequestOutput
 from server.metrics import Metrics
@@ -29,8 +29,7 @@ PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 @pytest.fixture
 def async_engine(default_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
-                                      max_model_len=512))
+    engine = AsyncEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu", max_model_len=512))
     engine.start()
     yield engine
     engine.shutdown()
@@ -41,8 +40,9 @@ class Client:
 
     def __init__(self):
         self.gone = asyncio.Event()
-        self.request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
-                               self._receive)
+        self.request = Request(
+            {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, self._receive
+        )
 
     async def _receive(self):
         await self.gone.wait()
@@ -83,8 +83,11 @@ def test_outputs_queued_together_are_one_write_with_every_token_once_in_order(as
     got = events(writes)
     assert got[-1] == "data: [DONE]"
     deltas = [e for e in got[:-1] if e["choices"]]
-    ref = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512).generate(
-        [PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ref = (
+        LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512)
+        .generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+    )
     assert "".join(e["choices"][0]["text"] for e in deltas) == ref.text
     assert [e["choices"][0]["finish_reason"] for e in deltas][-1] == "length"
     assert got[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
@@ -121,8 +124,9 @@ def test_disconnect_aborts_the_unfinished_request_and_ends_the_stream(async_engi
     assert rest == []  # nobody listens: no usage, no [DONE]
     assert not async_engine.engine.has_unfinished_requests()
     assert async_engine.engine.block_manager.num_free_blocks == async_engine.engine.block_manager.num_blocks
-    aborted = metrics.registry.get_sample_value("pagoda:request_success_total",
-                                                {"model_name": "m", "finished_reason": "abort"})
+    aborted = metrics.registry.get_sample_value(
+        "pagoda:request_success_total", {"model_name": "m", "finished_reason": "abort"}
+    )
     assert aborted == 1
 
 
@@ -154,11 +158,19 @@ def test_templated_chunks_are_the_bytes_pydantic_writes(text):
     completion = CompletionChunker(job, None)
     completion.last[0] = output("r", [1])
     out = RequestOutput("r", None, [1], [CompletionOutput(1, text, [5], None)], False)
-    expected = Completion(id=job.id, created=job.created, model=job.model,
-                          choices=[CompletionChoice(index=1, text=text, logprobs=None, finish_reason=None)])
+    expected = Completion(
+        id=job.id,
+        created=job.created,
+        model=job.model,
+        choices=[CompletionChoice(index=1, text=text, logprobs=None, finish_reason=None)],
+    )
     assert completion.update(0, out) == ([expected.model_dump_json()] if text else [])
 
     chat = ChatChunker(job, None)
-    expected = ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
-                                   choices=[ChatChunkChoice(index=1, delta=Delta(content=text), logprobs=None)])
+    expected = ChatCompletionChunk(
+        id=job.id,
+        created=job.created,
+        model=job.model,
+        choices=[ChatChunkChoice(index=1, delta=Delta(content=text), logprobs=None)],
+    )
     assert chat.update(0, out) == ([expected.model_dump_json()] if text else [])

@@ -21,8 +21,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr)
     dtype = out_ptr.dtype.element_ty
     # Like the reference: F.silu rounds to the input dtype, then the product rounds again.
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * inter + cols,  # out is contiguous
-              (silu * up).to(dtype), mask=mask)
+    tl.store(
+        out_ptr + t * inter + cols,  # out is contiguous
+        (silu * up).to(dtype),
+        mask=mask,
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,11 +33,29 @@ def _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOC
 
 @triton.jit
 def _attend_keys(
-    acc, m_i, l_i, q, q_pos,
-    k_ptr, v_ptr, bt_row_ptr, kvh, lo, hi, qk_scale,
-    stride_b, stride_s, stride_h, d, d_ok,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-    PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    bt_row_ptr,
+    kvh,
+    lo,
+    hi,
+    qk_scale,
+    stride_b,
+    stride_s,
+    stride_h,
+    d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr = False,
 ):
     """Fold keys lo..hi-1 into the running softmax state of the query rows q.
 
@@ -87,10 +105,29 @@ def _attend_keys(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, query_start_ptr, seq_lens_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_b, stride_s, stride_h, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False,
 ):
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
@@ -127,12 +164,54 @@ def _prefill_kernel(
     # The last valid query of the tile bounds the key loop (causal early stop).
     kv_end = context + tl.minimum(first_q + BLOCK_Q, q_len)
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, kvh, 0, full_end, qk_scale,
-        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, False, False, PRECISION, FOLD_SCALE,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row_ptr,
+        kvh,
+        0,
+        full_end,
+        qk_scale,
+        stride_b,
+        stride_s,
+        stride_h,
+        d,
+        d_ok,
+        BLOCK_SIZE,
+        BLOCK_N,
+        False,
+        False,
+        PRECISION,
+        FOLD_SCALE,
     )
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, kvh, full_end, kv_end, qk_scale,
-        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, True, True, PRECISION, FOLD_SCALE,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row_ptr,
+        kvh,
+        full_end,
+        kv_end,
+        qk_scale,
+        stride_b,
+        stride_s,
+        stride_h,
+        d,
+        d_ok,
+        BLOCK_SIZE,
+        BLOCK_N,
+        True,
+        True,
+        PRECISION,
+        FOLD_SCALE,
     )
     acc = acc / l_i[:, None]
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -141,10 +220,31 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, bt_ptr, seq_lens_ptr, qk_scale,
-    stride_qs, stride_qh, stride_os, stride_oh, stride_b, stride_s, stride_h, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,8 +269,28 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, rows, k_ptr, v_ptr, bt_ptr + seq * stride_bt, kvh, lo, hi, qk_scale,
-        stride_b, stride_s, stride_h, d, d_ok, BLOCK_SIZE, BLOCK_N, False, True, PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        rows,
+        k_ptr,
+        v_ptr,
+        bt_ptr + seq * stride_bt,
+        kvh,
+        lo,
+        hi,
+        qk_scale,
+        stride_b,
+        stride_s,
+        stride_h,
+        d,
+        d_ok,
+        BLOCK_SIZE,
+        BLOCK_N,
+        False,
+        True,
+        PRECISION,
     )
     # An empty split (or a zero-length padding sequence) has l_i == 0: write zeros, not NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -189,8 +309,15 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -205,7 +332,9 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     # Empty splits wrote zeros with weight exp2(-inf) = 0, so they drop out of the sum.
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :], other=0.0
+    )
     o = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
     o_offs = seq.to(tl.int64) * stride_os + head * stride_oh + d
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -213,9 +342,15 @@ def _decode_reduce_kernel(
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     """Shape, dtype and stride checks; host-only, so they cost nothing under graph capture."""
-    assert q.dim() == 3 and k_cache.dim() == 4, "q is [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]"
-    assert q.dtype in _DTYPES and k_cache.dtype == v_cache.dtype == q.dtype, "q and caches must share one of fp16/bf16/fp32"
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), "k_cache and v_cache must match in shape and strides"
+    assert q.dim() == 3 and k_cache.dim() == 4, (
+        "q is [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]"
+    )
+    assert q.dtype in _DTYPES and k_cache.dtype == v_cache.dtype == q.dtype, (
+        "q and caches must share one of fp16/bf16/fp32"
+    )
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), (
+        "k_cache and v_cache must match in shape and strides"
+    )
     head_dim, kv_heads, block_size = q.shape[2], k_cache.shape[2], k_cache.shape[1]
     assert k_cache.shape[3] == head_dim, "q and cache head_dim differ"
     assert 16 <= head_dim <= 256, f"head_dim {head_dim} unsupported: 16..256 (padded to a power of two inside)"
@@ -261,24 +396,62 @@ def paged_prefill(
     # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there. The folded
     # scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k, 336 -> 346 at 2 x 8k).
     # `config` (bench/gpu_check.py prefill-tune) and then PREFILL_OVERRIDES (its engine-level runs) override them.
-    tiles = {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2,
-             "FOLD_SCALE": True, **(config or {}), **PREFILL_OVERRIDES}
+    tiles = {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64 if head_dim <= 128 else 32,
+        "num_warps": 4,
+        "num_stages": 2,
+        "FOLD_SCALE": True,
+        **(config or {}),
+        **PREFILL_OVERRIDES,
+    }
     tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
     block_q = tiles["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start, seq_lens, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION=_precision(q.dtype), **tiles,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start,
+        seq_lens,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION=_precision(q.dtype),
+        **tiles,
     )
     return out
 
 
 @triton.jit
-def _fresh_tile(acc, m_i, l_i, q, rows, k_desc, v_desc, row, start, col, qk_scale,
-                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+def _fresh_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    rows,
+    k_desc,
+    v_desc,
+    row,
+    start,
+    col,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Fold the key tile at descriptor row `row` (positions start..start+BLOCK_N-1) into the state."""
     k = k_desc.load([row, col])
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -297,8 +470,18 @@ def _fresh_tile(acc, m_i, l_i, q, rows, k_desc, v_desc, row, start, col, qk_scal
 
 @triton.jit
 def _prefill_fresh_kernel(
-    q_desc, k_desc, v_desc, out_ptr, query_start_ptr, qk_scale, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    query_start_ptr,
+    qk_scale,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # Program (query tile, sequence, query head); the longest rows first, as in _prefill_kernel.
@@ -322,11 +505,39 @@ def _prefill_fresh_kernel(
     full_end = first // BLOCK_N * BLOCK_N
     end = tl.minimum(first + BLOCK_M, q_len)
     for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, rows, k_desc, v_desc, begin + start, start, kvh * HEAD_DIM,
-                                    qk_scale, BLOCK_N, False, PRECISION)
+        acc, m_i, l_i = _fresh_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            rows,
+            k_desc,
+            v_desc,
+            begin + start,
+            start,
+            kvh * HEAD_DIM,
+            qk_scale,
+            BLOCK_N,
+            False,
+            PRECISION,
+        )
     for start in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _fresh_tile(acc, m_i, l_i, q, rows, k_desc, v_desc, begin + start, start, kvh * HEAD_DIM,
-                                    qk_scale, BLOCK_N, True, PRECISION)
+        acc, m_i, l_i = _fresh_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            rows,
+            k_desc,
+            v_desc,
+            begin + start,
+            start,
+            kvh * HEAD_DIM,
+            qk_scale,
+            BLOCK_N,
+            True,
+            PRECISION,
+        )
     acc = acc / l_i[:, None]
     d = tl.arange(0, HEAD_DIM)
     offs = (begin + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -339,8 +550,13 @@ def fresh_prefill_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     head_dim = q.shape[2]
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 128:
         return False
-    return all(x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) * x.element_size() % 16 == 0
-               and x.data_ptr() % 16 == 0 for x in (q, k, v))
+    return all(
+        x.stride(2) == 1
+        and x.stride(1) == head_dim
+        and x.stride(0) * x.element_size() % 16 == 0
+        and x.data_ptr() % 16 == 0
+        for x in (q, k, v)
+    )
 
 
 def prefill_fresh(
@@ -373,9 +589,21 @@ def prefill_fresh(
     v_desc = TensorDescriptor(v, [t, kv_heads * head_dim], [v.stride(0), 1], [block_n, head_dim])
     grid = (triton.cdiv(max_query_len, block_m), query_start.shape[0] - 1, heads)
     _prefill_fresh_kernel[grid](
-        q_desc, k_desc, v_desc, out, query_start, scale * _LOG2E, out.stride(0), out.stride(1),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_precision(q.dtype), num_warps=4, num_stages=3,
+        q_desc,
+        k_desc,
+        v_desc,
+        out,
+        query_start,
+        scale * _LOG2E,
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype),
+        num_warps=4,
+        num_stages=3,
     )
     return out
 
@@ -433,18 +661,46 @@ def paged_decode(
     else:
         part_out = part_lse = out  # unused: the kernel writes straight to out
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
         # tl.dot needs at least 16 rows; the padding rows are masked.
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        PRECISION=_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d, num_warps=4,
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_D=block_d,
+            num_warps=4,
         )
     return out

@@ -59,12 +59,45 @@ def _prepare(x1, x2, w_ptr, eps, cos, sin, half, dtype: tl.constexpr, NORM: tl.c
 
 @triton.jit
 def _qkv_store_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
-    q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd,
-    kc_sb, kc_so, kc_sh, kc_sd, vc_sb, vc_so, vc_sh, vc_sd,
-    cs_stride, n_q_heads, n_kv_heads, half, block_size, eps,
-    NORM: tl.constexpr, ROTARY: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    q_st,
+    q_sh,
+    q_sd,
+    k_st,
+    k_sh,
+    k_sd,
+    v_st,
+    v_sh,
+    v_sd,
+    kc_sb,
+    kc_so,
+    kc_sh,
+    kc_sd,
+    vc_sb,
+    vc_so,
+    vc_sh,
+    vc_sd,
+    cs_stride,
+    n_q_heads,
+    n_kv_heads,
+    half,
+    block_size,
+    eps,
+    NORM: tl.constexpr,
+    ROTARY: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -78,8 +111,18 @@ def _qkv_store_kernel(
         sin = tl.load(sin_ptr + pos * cs_stride + dims, mask=dims < half, other=0.0)[None, :]
 
     p1, p2, mask = _halves(q_ptr + t * q_st, q_sh, q_sd, n_q_heads, half, BLOCK_HQ, BLOCK_HALF)
-    q1, q2 = _prepare(tl.load(p1, mask=mask, other=0.0).to(tl.float32), tl.load(p2, mask=mask, other=0.0).to(tl.float32),
-                      qw_ptr, eps, cos, sin, half, dtype, NORM, ROTARY)
+    q1, q2 = _prepare(
+        tl.load(p1, mask=mask, other=0.0).to(tl.float32),
+        tl.load(p2, mask=mask, other=0.0).to(tl.float32),
+        qw_ptr,
+        eps,
+        cos,
+        sin,
+        half,
+        dtype,
+        NORM,
+        ROTARY,
+    )
     tl.store(p1, q1, mask=mask)
     tl.store(p2, q2, mask=mask)
 
@@ -92,8 +135,18 @@ def _qkv_store_kernel(
     block = slot // block_size
     offset = slot % block_size
     p1, p2, mask = _halves(k_ptr + t * k_st, k_sh, k_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
-    k1, k2 = _prepare(tl.load(p1, mask=mask, other=0.0).to(tl.float32), tl.load(p2, mask=mask, other=0.0).to(tl.float32),
-                      kw_ptr, eps, cos, sin, half, dtype, NORM, ROTARY)
+    k1, k2 = _prepare(
+        tl.load(p1, mask=mask, other=0.0).to(tl.float32),
+        tl.load(p2, mask=mask, other=0.0).to(tl.float32),
+        kw_ptr,
+        eps,
+        cos,
+        sin,
+        half,
+        dtype,
+        NORM,
+        ROTARY,
+    )
     # Back in place too: a prompt with nothing cached attends to the step's own k (prefill_fresh).
     tl.store(p1, k1, mask=mask)
     tl.store(p2, k2, mask=mask)
@@ -146,12 +199,33 @@ def prepare_and_store(
     block_hq, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
     unused = slot_mapping  # any pointer of the right device for the arguments a variant skips
     _qkv_store_kernel[(t,)](
-        positions if rotary else unused, q, k, v, cos if rotary else q, sin if rotary else q,
-        q_norm if q_norm is not None else q, k_norm if k_norm is not None else q, k_cache, v_cache, slot_mapping,
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        cos.stride(0) if rotary else 0, heads, kv_heads, half, k_cache.shape[1], eps,
-        NORM=q_norm is not None, ROTARY=rotary,
-        BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(kv_heads), BLOCK_HALF=block_half,
+        positions if rotary else unused,
+        q,
+        k,
+        v,
+        cos if rotary else q,
+        sin if rotary else q,
+        q_norm if q_norm is not None else q,
+        k_norm if k_norm is not None else q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        cos.stride(0) if rotary else 0,
+        heads,
+        kv_heads,
+        half,
+        k_cache.shape[1],
+        eps,
+        NORM=q_norm is not None,
+        ROTARY=rotary,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(kv_heads),
+        BLOCK_HALF=block_half,
         num_warps=4 if block_hq * block_half >= 1024 else 1,
         # Without this the compiler narrows the float32 steps to native bf16/fp16 ops and fuses
         # a product with the sum into one fma, skipping the product's rounding.

@@ -8,8 +8,12 @@ from torch import nn
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN prepacking pays for bfloat16 on a CPU with native bf16 instructions (AVX512_BF16, AMX)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class PackedLinear(nn.Module):

@@ -37,7 +37,7 @@ class DecoderConfig:
     sliding_window: int | None
 
     @classmethod
-    def from_hf(cls, config: dict, *, qk_norm: bool = False, attention_bias: bool | None = None) -> "DecoderConfig":
+    def from_hf(cls, config: dict, *, qk_norm: bool = False, attention_bias: bool | None = None) -> DecoderConfig:
         num_heads = config["num_attention_heads"]
         if attention_bias is None:
             attention_bias = bool(config.get("attention_bias", False))
