@@ -128,7 +128,7 @@ def _paged_cache(num_seqs: int, ctx: int, kvh: int, d: int, block_size: int, gen
 
 
 def _flash_peer():
-    from engine.paged_attention import flash_attn_module
+    from engine.attention.flash_attn import flash_attn_module
 
     found = flash_attn_module()
     if found is None:
@@ -145,7 +145,7 @@ def _flash_peer():
 
 def _fa4_peer():
     """flash-attn-4's varlen attention (CuTe DSL, its own Hopper forward) as (call, name), or (None, None)."""
-    from engine.paged_attention import fa4_varlen
+    from engine.attention.flash_attn import fa4_varlen
 
     varlen = fa4_varlen()
     if varlen is None:
@@ -342,7 +342,7 @@ def mode_kernels(args) -> None:
 def mode_decode_splits(args) -> None:
     """Own decode kernel, CUDA-graph timed, for each split count at the batch x context shapes of
     W1 and W2 (uniform and ragged lengths): which split count each shape wants."""
-    from engine.kernels.attention import decode_num_splits, paged_decode
+    from engine.kernels.attention import decode_num_splits, num_sms, paged_decode
 
     hbm, _ = measure_peaks()
     h, kvh, d, bs = 32, 8, 128, 16
@@ -360,11 +360,14 @@ def mode_decode_splits(args) -> None:
             seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * 2
         times = {}
-        for splits in sorted({1, 2, 4, 8, 16, decode_num_splits(batch, kvh)} | ({32, 64} if batch <= 4 else set())):
+        for splits in sorted(
+            {1, 2, 4, 8, 16, decode_num_splits(batch, kvh, num_sms(torch.device("cuda")))}
+            | ({32, 64} if batch <= 4 else set())
+        ):
             t = graph_time(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=splits))
             times[splits] = t * 1e6 if t is not None else float("inf")
         best = min(times, key=times.get)
-        default = decode_num_splits(batch, kvh)
+        default = decode_num_splits(batch, kvh, num_sms(torch.device("cuda")))
         emit(
             args,
             {
@@ -379,59 +382,6 @@ def mode_decode_splits(args) -> None:
                 "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm,
             },
         )
-
-
-def mode_prefill_tune(args) -> None:
-    """Own prefill kernel, tile configurations x folded-scale softmax, at long-prompt shapes."""
-    from engine.kernels.attention import paged_prefill
-
-    h, kvh, d, bs = 32, 8, 128, 16
-    scale = d**-0.5
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tiles = [
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (64, 128, 4, 2),
-        (128, 32, 4, 2),
-        (128, 64, 8, 2),
-        (128, 64, 8, 3),
-        (128, 128, 8, 2),
-    ]
-    for num_seqs, ctx in ((8, 2048), (2, 8192)):
-        k_cache, v_cache, tables = _paged_cache(num_seqs, ctx, kvh, d, bs, gen)
-        q = torch.randn(num_seqs * ctx, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
-        seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
-        cu_q = torch.arange(0, num_seqs * ctx + 1, ctx, dtype=torch.int32, device="cuda")
-        flops = 4 * num_seqs * h * d * ctx * (ctx + 1) / 2
-        ref = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx).float()
-        for block_m, block_n, warps, stages in tiles:
-            for fold in (False, True):
-                config = {
-                    "BLOCK_M": block_m,
-                    "BLOCK_N": block_n,
-                    "num_warps": warps,
-                    "num_stages": stages,
-                    "FOLD_SCALE": fold,
-                }
-                row = {"mode": "prefill_tune", "num_seqs": num_seqs, "context": ctx, **config}
-                try:
-                    out = paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx, config=config)
-                    t = cuda_time(
-                        lambda: paged_prefill(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, ctx, config=config),
-                        iters=10,
-                    )
-                except Exception as exc:  # e.g. out of shared memory for a large tile
-                    row["error"] = repr(exc)[:200]
-                else:
-                    row.update(
-                        us=t * 1e6,
-                        tflops=flops / t / 1e12,
-                        rel_diff=((out.float() - ref).abs().max() / ref.abs().max()).item(),
-                    )
-                emit(args, row)
-
-
-# ----- engine-level checks -----
 
 
 def _fixed_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -469,7 +419,7 @@ def mode_greedy(args) -> None:
         )
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
         if backend == "triton":
-            runs["triton_fa4"] = llm.engine.runner.fa4_min_tokens  # 0: the route is off here
+            runs["triton_fa4"] = getattr(llm.engine.runner.backend, "min_tokens", 0)  # 0: the route is off here
         del llm
         torch.cuda.empty_cache()
     for i, (ref, got) in enumerate(zip(runs["torch"], runs["triton"])):
@@ -495,9 +445,8 @@ def mode_greedy(args) -> None:
 
 
 def mode_workload(args) -> None:
-    import engine.kernels.attention as engine_attention
+    from bench.compiles import count_compiles
     from engine import SamplingParams
-    from engine.kernels import compiled_variants
 
     model, prompts, outs = _workload(args.name)
     t0 = time.perf_counter()
@@ -510,14 +459,12 @@ def mode_workload(args) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     torch.cuda.synchronize()
     # A kernel variant compiled while the workload is timed is seconds the start-up should have taken.
-    before, variants_before = _allocator_counts(), compiled_variants()
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    before = _allocator_counts()
+    with count_compiles() as compiled:
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
     allocator = {k: v - before[k] for k, v in _allocator_counts().items()}
-    compiled = {
-        k: n - variants_before.get(k, 0) for k, n in compiled_variants().items() if n != variants_before.get(k, 0)
-    }
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     emit(
         args,
@@ -530,13 +477,11 @@ def mode_workload(args) -> None:
             "async_scheduling": ASYNC,
             "elapsed_s": elapsed,
             "output_tokens": tokens,
-            "decode_programs_per_sm": engine_attention.DECODE_PROGRAMS_PER_SM,
-            "prefill_overrides": engine_attention.PREFILL_OVERRIDES,
             "engine_kw": engine_kw,
             "output_tok_s": tokens / elapsed,
             "load_s": load_s,
             "allocator": allocator,
-            "compiled_during_run": compiled,
+            "compiled_during_run": dict(compiled),
         },
     )
 
@@ -1011,7 +956,6 @@ def main() -> None:
             "peaks",
             "kernels",
             "decode-splits",
-            "prefill-tune",
             "greedy",
             "workload",
             "transformers",
@@ -1032,18 +976,6 @@ def main() -> None:
         action="store_false",
         help="no async scheduling (the engine default on CUDA is async)",
     )
-    parser.add_argument(
-        "--programs-per-sm",
-        type=int,
-        default=None,
-        help="decode split count target (engine.kernels.attention.DECODE_PROGRAMS_PER_SM)",
-    )
-    parser.add_argument(
-        "--prefill-tiles",
-        default=None,
-        metavar="M,N,WARPS",
-        help="prefill kernel BLOCK_M,BLOCK_N,num_warps for every call (workload mode)",
-    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
@@ -1062,20 +994,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     global ASYNC
     ASYNC = args.async_scheduling
-    if args.programs_per_sm is not None:
-        import engine.kernels.attention
-
-        engine.kernels.attention.DECODE_PROGRAMS_PER_SM = args.programs_per_sm
-    if args.prefill_tiles:
-        import engine.kernels.attention
-
-        m, n, warps = (int(x) for x in args.prefill_tiles.split(","))
-        engine.kernels.attention.PREFILL_OVERRIDES.update(BLOCK_M=m, BLOCK_N=n, num_warps=warps)
     {
         "peaks": mode_peaks,
         "kernels": mode_kernels,
         "decode-splits": mode_decode_splits,
-        "prefill-tune": mode_prefill_tune,
         "greedy": mode_greedy,
         "workload": mode_workload,
         "transformers": mode_transformers,

@@ -24,9 +24,7 @@ for step in "$@"; do
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
-    w1-pps*|w2-pps*) python3 bench/gpu_check.py workload ${step%%-*} --backend triton --programs-per-sm ${step##*-pps} ;;
     w1-flash|w2-flash) python3 bench/gpu_check.py workload ${step%-flash} --backend flash_attn ;;
-    w1-tiles*|w2-tiles*) python3 bench/gpu_check.py workload ${step%%-*} --backend triton --prefill-tiles ${step##*-tiles} ;;
     w1-mnbt*|w2-mnbt*) python3 bench/gpu_check.py workload ${step%%-*} --backend triton --max-num-batched-tokens ${step##*-mnbt} ;;
     *) python3 bench/gpu_check.py $step ;;
   esac

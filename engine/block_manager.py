@@ -70,8 +70,8 @@ class BlockManager:
 
     def take_cached_prefix(self, seq: Sequence) -> int:
         """For a sequence with nothing computed: take every leading cached block; returns the
-        number of tokens that need no computing. At least one token is always left to compute,
-        since its logits are what the next token is sampled from."""
+        number of tokens that need no computing (the scheduler counts them computed). At least one
+        token is always left to compute, since its logits are what the next token is sampled from."""
         assert seq.num_computed_tokens == 0 and not seq.block_table
         if not self.enable_prefix_caching:
             return 0
@@ -87,7 +87,6 @@ class BlockManager:
             seq.block_table.append(block)
         hit = len(seq.block_table) * self.block_size
         self.prefix_hit_tokens += hit
-        seq.num_computed_tokens = hit
         return hit
 
     def name_full_blocks(self, seq: Sequence, end: int, num_new_tokens: int) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.paged_attention import BACKENDS
+from engine.attention import BACKENDS
 
 DTYPES = {
     "float32": torch.float32,
@@ -43,7 +43,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 1024
     # With the triton backend on a Hopper GPU, attention of prompt steps whose longest query run has at
     # least this many tokens goes to flash-attn-4 when it is installed (0: never): level with pagoda's
-    # kernels at 2,048 tokens, faster beyond, slower below. See paged_attention.py.
+    # kernels at 2,048 tokens, faster beyond, slower below. See engine/attention/flash_attn.py.
     fa4_prefill_min_tokens: int = 2048
     # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
     # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
-from engine.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
+from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
+from engine.scheduler import LaunchedPlan, Scheduler
+from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("pagoda.engine")
 
@@ -26,29 +26,26 @@ log = logging.getLogger("pagoda.engine")
 class StepStats:
     """What one step did and the state it left, for metrics."""
 
-    num_batched_tokens: int
-    num_prefill_tokens: int  # of num_batched_tokens, those of prompts (incl. recomputation)
-    num_generated_tokens: int
-    num_preempted: int  # both modes
-    num_swapped_out: int  # of num_preempted, those swapped to the CPU pool
-    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache this step
-    prefix_hit_tokens: int  # of those, found (their prefill skipped)
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float  # fraction of KV blocks in use
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0  # of num_batched_tokens, those of prompts (incl. recomputation)
+    num_generated_tokens: int = 0
+    num_preempted: int = 0  # both modes
+    num_swapped_out: int = 0  # of num_preempted, those swapped to the CPU pool
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_hit_tokens: int = 0  # of those, found (their prefill skipped)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
 
 
 @dataclass
 class _Step:
     """A launched step, until its tokens are read."""
 
-    scheduled: list[ScheduledSeq]
-    ends: list[int]  # per scheduled sequence: its computed tokens once this step has run
-    sampling: list[tuple[Sequence, int]]
-    slots: list[int]  # per sampling row: the index in token_ids its token goes to
+    plan: LaunchedPlan
     launched: LaunchedStep
-    stats: tuple  # the StepStats fields known at launch
+    stats: StepStats  # what is known at launch; the occupancy is filled in when it completes
 
 
 class LLMEngine:
@@ -85,7 +82,7 @@ class LLMEngine:
             type(self.runner.model).__name__,
             config.dtype,
             config.device,
-            self.runner.attention_backend,
+            self.runner.backend.name,
             num_blocks,
             config.block_size,
             capacity,
@@ -95,7 +92,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         swap_pool = None
         if config.preemption_mode == "swap":
-            swap_pool = SwapPool(self.runner.allocate_swap_space(config.swap_space))
+            swap_pool = SwapPool(self.runner.kv_cache.allocate_swap_space(config.swap_space))
             log.info("swap space: %d blocks (%.1f GiB of CPU memory)", swap_pool.num_blocks, config.swap_space)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -103,6 +100,8 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             swap_pool,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -226,7 +225,7 @@ class LLMEngine:
         if self.in_flight is None:
             self.in_flight = self._launch()
             if self.in_flight is None:
-                self.last_step = StepStats(0, 0, 0, 0, 0, 0, 0, *self._occupancy())
+                self.last_step = self._with_occupancy(StepStats())
                 return outputs
         done = self.in_flight
         self.in_flight = self._launch(done) if self._can_overlap() else None
@@ -240,21 +239,17 @@ class LLMEngine:
         )
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:
-        """Schedule and enqueue a step. Every sequence it samples gets a PLACEHOLDER token (unless
-        this token surely ends it by length), so the scheduler can already plan its next token."""
+        """Schedule a step, enqueue it on the device, and let the scheduler count it as launched."""
         bm = self.block_manager
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
-        scheduled_at = time.monotonic()
-        for item in sched.scheduled:
-            if item.seq.request.first_scheduled_time is None:
-                item.seq.request.first_scheduled_time = scheduled_at
         # Order matters: a block swapped out may be reused as a swap-in or copy target this step.
-        self.runner.swap_blocks(sched.swap_out, to_cpu=True)
-        self.runner.swap_blocks(sched.swap_in, to_cpu=False)
-        self.runner.copy_blocks(sched.block_copies)
+        kv_cache = self.runner.kv_cache
+        kv_cache.swap_blocks(sched.swap_out, to_cpu=True)
+        kv_cache.swap_blocks(sched.swap_in, to_cpu=False)
+        kv_cache.copy_blocks(sched.block_copies)
         sampling: list[tuple[Sequence, int]] = []
         for row, item in enumerate(sched.scheduled):
             if not item.samples:
@@ -262,67 +257,43 @@ class LLMEngine:
             sampling.append((item.seq, row))
             sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
         launched = self.runner.launch(sched.scheduled, sampling, previous.launched if previous else None)
-        prefill_tokens = 0
-        ends = []
-        for item in sched.scheduled:
-            seq = item.seq
-            # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
-            if item.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-                prefill_tokens += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            ends.append(seq.num_computed_tokens)
-        slots = []
-        for seq, _ in sampling:
-            num_tokens = len(seq.token_ids)
-            slots.append(num_tokens)
-            if not self._ends_by_length(seq, num_tokens + 1):
-                seq.token_ids.append(PLACEHOLDER)
-                seq.num_pending += 1
-        stats = (
-            sched.num_batched_tokens,
-            prefill_tokens,
-            len(sampling),
-            len(sched.preempted),
-            sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
-            bm.prefix_queried_tokens - queried,
-            bm.prefix_hit_tokens - hits,
+        plan = self.scheduler.launched(sched, sampling)
+        stats = StepStats(
+            num_batched_tokens=sched.num_batched_tokens,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_generated_tokens=len(sampling),
+            num_preempted=len(sched.preempted),
+            num_swapped_out=sum(s.status is SequenceStatus.SWAPPED for s in sched.preempted),
+            prefix_queried_tokens=bm.prefix_queried_tokens - queried,
+            prefix_hit_tokens=bm.prefix_hit_tokens - hits,
         )
-        return _Step(sched.scheduled, ends, sampling, slots, launched, stats)
+        return _Step(plan, launched, stats)
 
     def _complete(self, step: _Step) -> list[RequestOutput]:
-        """Read a launched step's tokens, put them in place of the placeholders, check stops."""
+        """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""
         results = self.runner.collect(step.launched)
-        for item, end in zip(step.scheduled, step.ends):
-            # Not for a sequence preempted (or finished) since: its blocks are gone.
-            if item.seq.status is SequenceStatus.RUNNING:
-                self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
+        touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs)
         now = time.monotonic()
-        touched: dict[str, Request] = {}
-        logprobs = results.logprobs or [None] * len(step.sampling)
-        for (seq, _), slot, token, token_logprobs in zip(step.sampling, step.slots, results.token_ids, logprobs):
-            if seq.is_finished:  # aborted, or stopped by the token before this one
-                continue
-            self._put_token(seq, slot, token, token_logprobs)
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            # A final_only request has an output only once finished, so only when a sequence just finished.
-            if seq.is_finished or request.params.output_kind != "final_only":
-                touched[request.request_id] = request
         outputs = []
-        for request in touched.values():
+        for request in touched:
             if request.is_finished:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
             elif request.params.output_kind == "final_only":
                 continue
             outputs.append(RequestOutput.of(request))
-        self.last_step = StepStats(*step.stats, *self._occupancy())
+        self.last_step = self._with_occupancy(step.stats)
         return outputs
 
-    def _occupancy(self) -> tuple[int, int, int, float]:
+    def _with_occupancy(self, stats: StepStats) -> StepStats:
         bm, sched = self.block_manager, self.scheduler
-        return len(sched.running), len(sched.waiting), len(sched.swapped), 1.0 - bm.num_free_blocks / bm.num_blocks
+        stats.num_running, stats.num_waiting, stats.num_swapped = (
+            len(sched.running),
+            len(sched.waiting),
+            len(sched.swapped),
+        )
+        stats.kv_cache_usage = 1.0 - bm.num_free_blocks / bm.num_blocks
+        return stats
 
     def _expire_queued(self) -> list[RequestOutput]:
         """Finish requests that waited past their queue deadline without ever being scheduled."""
@@ -349,55 +320,9 @@ class LLMEngine:
         request = parent.request
         if parent.index != 0 or len(request.seqs) == request.params.n:
             return []
-        children = []
-        for index in range(len(request.seqs), request.params.n):
-            child = self._new_sequence(request, index)
-            child.num_computed_tokens = parent.num_computed_tokens + num_new_tokens
-            self.block_manager.fork(parent, child)
-            self.scheduler.add_running(child)
-            children.append(child)
+        children = [self._new_sequence(request, index) for index in range(len(request.seqs), request.params.n)]
+        self.scheduler.fork(parent, children, num_new_tokens)
         return children
-
-    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
-        max_tokens = seq.request.params.max_tokens
-        return (
-            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
-        ) or num_tokens >= self.max_model_len
-
-    def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
-        """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""
-        params = seq.request.params
-        if slot < len(seq.token_ids):
-            seq.token_ids[slot] = token
-            seq.num_pending -= 1
-        else:
-            seq.token_ids.append(token)
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(logprobs)
-        num_out = slot + 1 - seq.num_prompt_tokens
-        if not params.ignore_eos and token in self.eos_token_ids and num_out >= params.min_tokens:
-            self._finish(seq, "stop", None)
-            return
-        if token in params.stop_token_ids and num_out >= params.min_tokens:
-            self._finish(seq, "stop", token)
-            return
-        if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.add([token])
-            if seq.detokenizer.stopped:
-                self._finish(seq, "stop", seq.detokenizer.stop_string)
-                return
-        if self._ends_by_length(seq, slot + 1):
-            self._finish(seq, "length", None)
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        # A token already planned past this one (async scheduling) is dropped with the sequence.
-        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
-        seq.num_pending = 0
-        if seq.detokenizer is not None and not seq.detokenizer.stopped:
-            seq.text += seq.detokenizer.flush()
-        seq.stop_reason = stop_reason
-        self.scheduler.finish(seq, reason)
 
 
 @contextlib.contextmanager

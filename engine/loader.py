@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.attention import AttentionBackend
 from engine.models import model_class
 
 log = logging.getLogger("pagoda.loader")
@@ -21,6 +22,11 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     return json.loads(path.read_text())
+
+
+def head_dim_of(hf_config: dict) -> int:
+    """The attention head size a HF config.json gives, or implies."""
+    return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
 
 
 @contextlib.contextmanager
@@ -34,9 +40,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto", seed: int = 0
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+    backend: AttentionBackend | None = None,
 ) -> tuple[nn.Module, dict]:
-    """The model on `device` in `dtype`, and its HF config.
+    """The model on `device` in `dtype`, its layers calling `backend` (default: the torch reference),
+    and its HF config.
 
     Parameters are allocated on the device first, then each checkpoint tensor is read from its
     memory-mapped file straight to the device and copied in, so the host never holds the model.
@@ -44,7 +56,7 @@ def load_model(
     hf_config = read_hf_config(model_dir)
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(hf_config)
+        model = cls(hf_config, backend)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

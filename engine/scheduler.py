@@ -1,4 +1,6 @@
-"""Continuous batching: picks each step's tokens under a token budget and a sequence cap.
+"""Continuous batching: picks each step's tokens under a token budget and a sequence cap, and
+updates the sequences from what each step did. The scheduler is the one writer of a sequence's
+progress (computed tokens, appended tokens, finish); the runner and the engine loop only read it.
 
 Every sequence carries `num_computed_tokens`; a step gives it `num_new_tokens` more (1 for a
 decode, a chunk for a prefill). Running sequences come first, decodes before prefill chunks, so
@@ -11,12 +13,11 @@ before any waiting one is admitted.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.block_manager import BlockManager, SwapPool
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass
@@ -28,25 +29,6 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """After this step every token of the sequence is computed, so it samples the next one."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
-
-
-def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
-    """The token ids the scheduled sequences compute this step, one after another, as int64."""
-    out = np.empty(sum(item.num_new_tokens for item in scheduled), dtype=np.int64)
-    # One-token items (decodes) are gathered and converted together; longer ones come as arrays.
-    single_at: list[int] = []
-    single_ids: list[int] = []
-    offset = 0
-    for item in scheduled:
-        seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-        if num_new == 1:
-            single_at.append(offset)
-            single_ids.append(seq.token_ids[start])
-        else:
-            out[offset : offset + num_new] = seq.token_array(start, start + num_new)
-        offset += num_new
-    out[single_at] = single_ids
-    return out
 
 
 @dataclass
@@ -66,6 +48,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class LaunchedPlan:
+    """A scheduled step once it is on the device: what its sampled tokens update when they are back."""
+
+    scheduled: list[ScheduledSeq]
+    ends: list[int]  # per scheduled sequence: its computed tokens once this step has run
+    sampling: list[tuple[Sequence, int]]  # (sequence, row of `scheduled` whose logits it samples from)
+    slots: list[int]  # per sampling row: the index in the sequence's token_ids its token goes to
+    num_prefill_tokens: int  # of the step's tokens, those of prompts (recomputation included)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -74,8 +67,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         swap_pool: SwapPool | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 1 << 62,
     ):
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -90,6 +87,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's plan: which sequences compute how many tokens, and the block moves first."""
+        out = self._schedule()
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.seq.request.first_scheduled_time is None:
+                item.seq.request.first_scheduled_time = now  # its queueing ends here
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
@@ -148,7 +154,7 @@ class Scheduler:
         for seq in self.waiting:
             if seats + seq.num_seqs_when_running > self.max_num_seqs:
                 break
-            bm.take_cached_prefix(seq)
+            seq.num_computed_tokens = bm.take_cached_prefix(seq)
             num_new = self._chunk(seq, budget)
             deferred = self._next_block_in_flight(seq, in_flight)
             if deferred or num_new == 0 or not bm.can_allocate(seq, num_new):
@@ -257,3 +263,100 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    # ----- updates from a step -----
+
+    def fork(self, parent: Sequence, children: list[Sequence], num_new_tokens: int) -> None:
+        """n > 1: `children` join `parent` as it completes its prompt this step, sharing its blocks."""
+        for child in children:
+            child.num_computed_tokens = parent.num_computed_tokens + num_new_tokens
+            self.block_manager.fork(parent, child)
+            self.add_running(child)
+
+    def launched(self, out: SchedulerOutput, sampling: list[tuple[Sequence, int]]) -> LaunchedPlan:
+        """The step `out` is on the device: its tokens count as computed, and every sequence it samples
+        gets a PLACEHOLDER for the coming token (unless that token surely ends it by length), so the
+        next step can be planned before this one's tokens are read."""
+        prefill_tokens = 0
+        ends = []
+        for item in out.scheduled:
+            seq = item.seq
+            # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
+            if item.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                prefill_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            ends.append(seq.num_computed_tokens)
+        slots = []
+        for seq, _ in sampling:
+            num_tokens = len(seq.token_ids)
+            slots.append(num_tokens)
+            if not self.ends_by_length(seq, num_tokens + 1):
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+        return LaunchedPlan(out.scheduled, ends, sampling, slots, prefill_tokens)
+
+    def update(
+        self, plan: LaunchedPlan, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None
+    ) -> list[Request]:
+        """A launched step's tokens are back: commit the blocks it filled to the prefix cache, put each
+        token in place of its placeholder, and finish sequences that stop. Returns the requests whose
+        outputs changed (a final_only request only once a sequence of it finished)."""
+        for item, end in zip(plan.scheduled, plan.ends):
+            # Not for a sequence preempted (or finished) since: its blocks are gone.
+            if item.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        logprobs = logprobs or [None] * len(plan.sampling)
+        for (seq, _), slot, token, token_logprobs in zip(plan.sampling, plan.slots, token_ids, logprobs):
+            if seq.is_finished:  # aborted, or stopped by the token before this one
+                continue
+            self._put_token(seq, slot, token, token_logprobs)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if seq.is_finished or request.params.output_kind != "final_only":
+                touched[request.request_id] = request
+        return list(touched.values())
+
+    def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
+        max_tokens = seq.request.params.max_tokens
+        return (
+            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
+        ) or num_tokens >= self.max_model_len
+
+    def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
+        """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""
+        params = seq.request.params
+        if slot < len(seq.token_ids):
+            seq.token_ids[slot] = token
+            seq.num_pending -= 1
+        else:
+            seq.token_ids.append(token)
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        num_out = slot + 1 - seq.num_prompt_tokens
+        if not params.ignore_eos and token in self.eos_token_ids and num_out >= params.min_tokens:
+            self._stop(seq, "stop", None)
+        elif token in params.stop_token_ids and num_out >= params.min_tokens:
+            self._stop(seq, "stop", token)
+        elif seq.detokenizer is not None and self._detokenize(seq, token):
+            self._stop(seq, "stop", seq.detokenizer.stop_string)
+        elif self.ends_by_length(seq, slot + 1):
+            self._stop(seq, "length", None)
+
+    @staticmethod
+    def _detokenize(seq: Sequence, token: int) -> bool:
+        """Append the token's text; whether a stop string ended the sequence."""
+        seq.text += seq.detokenizer.add([token])
+        return seq.detokenizer.stopped
+
+    def _stop(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        # A token already planned past this one (async scheduling) is dropped with the sequence.
+        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+        seq.num_pending = 0
+        if seq.detokenizer is not None and not seq.detokenizer.stopped:
+            seq.text += seq.detokenizer.flush()
+        seq.stop_reason = stop_reason
+        self.finish(seq, reason)

@@ -11,6 +11,8 @@ import numpy as np
 
 from engine.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a token id sampled by a step still on the device (async scheduling), not read yet
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed

@@ -20,7 +20,7 @@ def fa4_on_hopper() -> bool:
     """Whether flash-attn-4 takes long prompt steps on this machine (a Hopper GPU with it installed)."""
     if not torch.cuda.is_available():
         return False
-    from engine.paged_attention import fa4_prefill_applies
+    from engine.attention.flash_attn import fa4_prefill_applies
 
     return fa4_prefill_applies(torch.device("cuda"), torch.bfloat16, 128)
 

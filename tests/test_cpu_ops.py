@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, cpu_ops
-from engine.layers.activation import silu_and_mul
+from engine.attention import Attention, AttentionMetadata, select_backend
+from engine.attention.torch_ref import store_kv
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.paged_attention import Attention, AttentionMetadata, store_kv
+from engine.ops import torch_silu_and_mul as silu_and_mul
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler here to build engine/csrc/cpu_ops.c")
@@ -172,8 +173,8 @@ def test_attention_layer_cpu_backend_equals_the_torch_backend(dtype):
     )
     outs, caches = {}, {}
     for backend in ("torch", "cpu"):
-        layer = Attention(heads, kv_heads, head_dim)
-        layer.backend = backend
+        layer = Attention(heads, kv_heads, head_dim, select_backend(backend, torch.device("cpu"), dtype, 16))
+        layer.backend.plan(meta)  # the runner's part, once per step
         layer.k_cache, layer.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         outs[backend] = layer(batch["q"], k, v, meta)
         caches[backend] = (layer.k_cache, layer.v_cache)
@@ -194,7 +195,7 @@ def test_engine_cpu_backend_greedy_equals_the_torch_backend(default_model_dir):
     tokens = {}
     for backend in ("torch", "cpu"):
         llm = LLM(str(default_model_dir), dtype="float32", device="cpu", attention_backend=backend, max_model_len=256)
-        assert llm.engine.runner.attention_backend == backend
+        assert llm.engine.runner.backend.name == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["cpu"] == tokens["torch"]
 
@@ -203,10 +204,10 @@ def test_without_a_compiler_the_cpu_falls_back_to_torch(tmp_path):
     code = (
         "import json, torch\n"
         "from engine import cpu_ops\n"
-        "from engine.paged_attention import select_backend\n"
-        "auto = select_backend('auto', torch.device('cpu'), 16, torch.float32)\n"
+        "from engine.attention import select_backend\n"
+        "auto = select_backend('auto', torch.device('cpu'), torch.float32, 16).name\n"
         "try:\n"
-        "    select_backend('cpu', torch.device('cpu'), 16, torch.float32)\n"
+        "    select_backend('cpu', torch.device('cpu'), torch.float32, 16)\n"
         "    forced = 'accepted'\n"
         "except ValueError as exc:\n"
         "    forced = str(exc)\n"

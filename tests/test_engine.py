@@ -243,8 +243,8 @@ def test_async_scheduling_defaults_to_on_for_cuda_only():
 
 def test_the_cli_offers_every_attention_backend():
     """server/cli.py spells the choices out (it imports no torch to print --help): they must stay the engine's."""
+    from engine.attention import BACKENDS
     from engine.config import EngineConfig
-    from engine.paged_attention import BACKENDS
     from server.cli import build_parser
 
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
@@ -259,12 +259,16 @@ def test_the_cli_offers_every_attention_backend():
 
 def test_fa4_prompt_route_is_off_where_it_does_not_apply(tiny_model_dir):
     """flash-attn-4 takes long prompt steps only with triton on a Hopper GPU where it imports: on the
-    CPU every layer keeps the threshold at 0 (never), and a negative threshold is refused."""
+    CPU (even with triton, in its interpreter) the backend is the plain one, and a negative threshold is refused."""
     from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="fa4_prefill_min_tokens"):
         EngineConfig(fa4_prefill_min_tokens=-1)
+    from engine.attention import select_backend
+
+    backend = select_backend("triton", torch.device("cpu"), torch.float32, 16, 64, 16, 8192)
+    assert backend.name == "triton"
     llm = LLM(str(tiny_model_dir("llama")), device="cpu", fa4_prefill_min_tokens=16)
     runner = llm.engine.runner
-    assert runner.fa4_min_tokens == 0
-    assert all(attn.fa4_min_tokens == 0 for attn in runner.model.attention_layers())
+    assert runner.backend.name == "cpu"
+    assert all(attn.backend is runner.backend for attn in runner.model.attention_layers())

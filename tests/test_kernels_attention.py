@@ -69,22 +69,6 @@ def test_prefill_mixed_batch(dtype, heads, kv_heads, head_dim, block_size):
     assert_close(out, reference(**batch), dtype)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"FOLD_SCALE": True},
-        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 32, "BLOCK_N": 128, "FOLD_SCALE": True},
-    ],
-)
-def test_prefill_tile_configs(config):
-    # The tile shapes and the folded-scale softmax that bench/gpu_check.py prefill-tune times.
-    batch = make_batch(MIXED_CTX, MIXED_Q, 8, 2, 64, 16, torch.float16, seed=4)
-    out = poisoned_like(batch["q"])
-    paged_prefill(**batch, max_query_len=max(MIXED_Q), out=out, config=config)
-    assert_close(out, reference(**batch), torch.float16)
-
-
 def test_prefill_block_larger_than_key_tile():
     # 128-token blocks against 64-key tiles; the context crosses a block boundary.
     batch = make_batch([150, 0], [10, 3], 4, 2, 64, 128, torch.float32, seed=1)
@@ -185,12 +169,14 @@ def test_decode_zero_length_sequence_gives_zeros(num_splits):
 
 
 def test_decode_num_splits():
-    assert decode_num_splits(1, 8) == 33
-    assert decode_num_splits(1, 2) == MAX_DECODE_SPLITS
-    assert decode_num_splits(4, 8) == 9
-    assert decode_num_splits(64, 8) == 1
-    assert decode_num_splits(256, 2) == 1
-    assert all(1 <= decode_num_splits(s, h) <= MAX_DECODE_SPLITS for s in range(1, 300, 7) for h in (1, 2, 4, 8))
+    h100 = 132  # SMs
+    assert decode_num_splits(1, 8, h100) == 33
+    assert decode_num_splits(1, 2, h100) == MAX_DECODE_SPLITS
+    assert decode_num_splits(4, 8, h100) == 9
+    assert decode_num_splits(64, 8, h100) == 1
+    assert decode_num_splits(256, 2, h100) == 1
+    assert decode_num_splits(1, 8, 66) == 17  # half the SMs, half the splits
+    assert all(1 <= decode_num_splits(s, h, h100) <= MAX_DECODE_SPLITS for s in range(1, 300, 7) for h in (1, 2, 4, 8))
 
 
 def test_decode_most_splits():
@@ -256,7 +242,7 @@ def test_decode_cuda_graph_replay_follows_new_lengths():
 
 
 def _metadata(batch, fresh: bool):
-    from engine.paged_attention import AttentionMetadata
+    from engine.attention import AttentionMetadata
 
     seq_lens, query_start = batch["seq_lens"], batch["query_start"]
     return AttentionMetadata(
@@ -275,20 +261,21 @@ def _metadata(batch, fresh: bool):
 @pytest.mark.skipif(not fa4_on_hopper(), reason=NEEDS_FA4)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 2, 64), (14, 14, 128)])
 def test_fa4_prompt_route_matches_reference(heads, kv_heads, head_dim):
-    """The long-prompt route through flash-attn-4 (Attention._fa4), both ways: whole prompts from the
+    """The long-prompt route through flash-attn-4 (attention.flash_attn.fa4_prefill), both ways: whole prompts from the
     step's own k/v (views of one fused q|k|v buffer, as the model makes them), and chunks after cached
     context with decodes beside them through the shuffled block tables."""
-    from engine.paged_attention import Attention
+    from engine.attention import Attention
+    from engine.attention.flash_attn import fa4_prefill
 
     attn = Attention(heads, kv_heads, head_dim)
     batch = make_batch([0, 0, 0], [300, 77, 1500], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=21)
     attn.k_cache, attn.v_cache = batch["k_cache"], batch["v_cache"]
     q, k, v = _fresh_kv(batch)
-    assert_close(attn._fa4(q, k, v, _metadata(batch, fresh=True)), reference(**batch), torch.bfloat16)
+    assert_close(fa4_prefill(attn, q, k, v, _metadata(batch, fresh=True)), reference(**batch), torch.bfloat16)
 
     batch = make_batch(
         [0, 37, 500, 5, 3000], [300, 1, 130, 700, 1], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=22
     )
     attn.k_cache, attn.v_cache = batch["k_cache"], batch["v_cache"]
-    out = attn._fa4(batch["q"], None, None, _metadata(batch, fresh=False))
+    out = fa4_prefill(attn, batch["q"], None, None, _metadata(batch, fresh=False))
     assert_close(out, reference(**batch), torch.bfloat16)

@@ -16,13 +16,13 @@ if not CUDA:
     # Must be set before triton is imported (the kernels read it when they are defined).
     os.environ["TRITON_INTERPRET"] = "1"
 
+from engine.attention.torch_ref import store_kv as ref_store_kv
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.norm import rms_norm
 from engine.kernels.qkv_store import prepare_and_store
-from engine.layers import activation as ref_activation
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.paged_attention import store_kv as ref_store_kv
+from engine.ops import torch_silu_and_mul
 
 DEV = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bf16 and large shapes)")
@@ -254,7 +254,7 @@ def test_negative_slots_store_nothing(dtype):
 @pytest.mark.parametrize("t,inter", [(1, 64), (7, 576), (3, 1376)])
 def test_silu_and_mul(dtype, t, inter):
     x = _randn(t, 2 * inter, dtype=dtype, seed=12, scale=4.0)
-    expected = ref_activation.silu_and_mul(x)
+    expected = torch_silu_and_mul(x)
     out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEV)
     assert silu_and_mul(x, out=out) is out
     _close(out, expected, dtype)
@@ -266,7 +266,7 @@ def test_silu_and_mul(dtype, t, inter):
 def test_silu_and_mul_strided_rows():
     wide = _randn(5, 300, dtype=torch.float32, seed=13)
     x = wide[:, :256]  # rows not contiguous with each other
-    _close(silu_and_mul(x), ref_activation.silu_and_mul(x), torch.float32)
+    _close(silu_and_mul(x), torch_silu_and_mul(x), torch.float32)
 
 
 # ---------------------------------------------------------------- CUDA: bf16, large shapes, graphs
@@ -312,7 +312,7 @@ def test_cuda_silu(dtype):
     t = 301
     x = _randn(t, 2 * 14336, dtype=dtype, seed=20, scale=4.0)
     out = silu_and_mul(x, out=torch.full((t, 14336), float("nan"), dtype=dtype, device=DEV))
-    expected = ref_activation.silu_and_mul(x)
+    expected = torch_silu_and_mul(x)
     _close(out, expected, dtype)
     _mostly_equal(out, expected, frac=0.98)
 
@@ -365,4 +365,4 @@ def test_cuda_graph_capture():
     valid = slots >= 0
     ref_store_kv(exp_k[valid], v0[valid], exp_kc, exp_vc, slots[valid])
     assert torch.equal(kc, exp_kc) and torch.equal(vc, exp_vc)
-    _close(act_out, ref_activation.silu_and_mul(gate_up), dtype)
+    _close(act_out, torch_silu_and_mul(gate_up), dtype)

@@ -4,7 +4,7 @@
  * through ctypes with raw pointers. Every function exists for float32 (suffix _f32) and bfloat16
  * (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded to
  * nearest-even at the same points where PyTorch rounds them in the reference path (engine/layers,
- * engine/paged_attention.py), so the two agree to the last bit wherever float32 sums agree.
+ * engine/attention/torch_ref.py), so the two agree to the last bit wherever float32 sums agree.
  *
  * OpenMP comes from the libgomp PyTorch has already loaded (same soname), so the process keeps
  * one thread pool.

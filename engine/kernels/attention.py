@@ -1,6 +1,6 @@
 """Paged attention in Triton: a varlen causal prefill kernel and a split-KV decode kernel.
 
-Both read K and V through block tables from the cache layout of engine.paged_attention:
+Both read K and V through block tables from the cache layout of engine/attention/base.py:
 k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim]; position p of sequence s
 lives in block block_tables[s, p // block_size] at offset p % block_size. The new tokens' K/V
 are already in the cache, so both kernels read everything from there.
@@ -14,6 +14,8 @@ accumulator), base-2 exponentials with log2(e) folded into the scale.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -375,7 +377,6 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
-    config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
@@ -395,15 +396,12 @@ def paged_prefill(
     # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
     # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there. The folded
     # scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k, 336 -> 346 at 2 x 8k).
-    # `config` (bench/gpu_check.py prefill-tune) and then PREFILL_OVERRIDES (its engine-level runs) override them.
     tiles = {
         "BLOCK_M": 64,
         "BLOCK_N": 64 if head_dim <= 128 else 32,
         "num_warps": 4,
         "num_stages": 2,
         "FOLD_SCALE": True,
-        **(config or {}),
-        **PREFILL_OVERRIDES,
     }
     tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
     block_q = tiles["BLOCK_M"] // group
@@ -608,10 +606,7 @@ def prefill_fresh(
     return out
 
 
-# Prefill tile settings that replace the defaults in every call (bench/gpu_check.py --prefill-tiles).
-PREFILL_OVERRIDES: dict = {}
-
-# Decode programs to aim for per SM when choosing the split count (bench/gpu_check.py varies it).
+# Decode programs to aim for per SM when choosing the split count.
 DECODE_PROGRAMS_PER_SM = 2
 
 
@@ -620,7 +615,13 @@ DECODE_PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 64
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """KV splits for decode, from shapes only: about DECODE_PROGRAMS_PER_SM programs per SM.
 
     Short contexts leave most of a large split count empty (a split holds whole 64-key tiles and
@@ -653,7 +654,7 @@ def paged_decode(
         return out
     group = heads // kv_heads
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, kv_heads)
+        num_splits = decode_num_splits(num_seqs, kv_heads, num_sms(q.device))
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)

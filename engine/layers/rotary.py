@@ -53,15 +53,8 @@ class RotaryEmbedding(nn.Module):
         # A float32 table, indexed by position each step: the same values HF computes on the fly.
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        # torch | triton | cpu: set by the runner with the attention backend. With triton the
-        # attention call fuses rotary into its KV-store kernel (QKPrep), so only cpu and torch run here.
-        self.kernels = "torch"
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernels == "cpu":
-            from engine import cpu_ops
-
-            return cpu_ops.apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

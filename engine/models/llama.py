@@ -1,7 +1,7 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias) and, with q/k norm, Qwen3.
 
 Tokens are flat ([T] ids, [T] positions) across all sequences of a step; attention finds each
-sequence's context through the paged cache (engine/paged_attention.py).
+sequence's context through the paged cache (engine/attention).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.activation import silu_and_mul
+from engine.attention import Attention, AttentionBackend, AttentionMetadata, QKPrep
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.paged_attention import Attention, AttentionMetadata, QKPrep
+from engine.ops import Ops
 
 
 @dataclass
@@ -63,7 +63,7 @@ class DecoderConfig:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -72,9 +72,9 @@ class SelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops) if cfg.qk_norm else None
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -88,32 +88,23 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, ops: Ops):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.kernels = "torch"  # torch | triton | cpu: set by the runner with the attention backend
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels == "triton":
-            from engine.kernels.activation import silu_and_mul as fused
-
-            return self.down_proj(fused(gate_up))
-        if self.kernels == "cpu":
-            from engine import cpu_ops
-
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
+        self.self_attn = SelfAttention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
+        self.mlp = MLP(cfg, backend.ops)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -142,15 +133,21 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: the config's `attention_bias`
 
-    def __init__(self, hf_config: dict):
+    def __init__(self, hf_config: dict, backend: AttentionBackend | None = None):
+        """`backend`: the attention backend every layer calls (and whose ops the norms and MLPs use);
+        default: the torch reference."""
         super().__init__()
+        if backend is None:
+            from engine.attention.torch_ref import TorchBackend
+
+            backend = TorchBackend()
         cfg = DecoderConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One cos/sin table shared by every layer (it is large at long max_position_embeddings).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -1,14 +1,17 @@
-"""CUDA graphs for prompt steps: the forward captured in pieces between the attention calls.
+"""CUDA graphs: whole decode steps, and prompt steps captured in pieces between the attention calls.
 
-A prompt (or mixed prompt + decode) step launches ~10 kernels per layer from Python; at a few
-hundred tokens the GPU finishes each faster than the host can launch the next, so such a step is
-bound by the host (a 512-token Llama-3-8B prefill: 13-39 ms of launching for ~12 ms of GPU work).
-Everything but attention depends on the number of tokens alone, so it is captured once per padded
-token count: graph 0 runs the embedding and layer 0 up to its attention, graph i from attention i-1
-to attention i, the last one the final norm. Attention itself (with the q/k norm, rotary and KV
-store fused before it) depends on the step's sequences (their lengths, slots, block tables), so it
-runs eagerly between the replays, on the real tokens only: one graph replay and two kernel
-launches per layer instead of ~10 launches.
+Decode (DecodeGraphs): the forward + lm_head of a batch of one-token queries, one graph per bucketed
+batch size. A replay costs one launch instead of one per kernel, which is what decode steps of
+small models are bound by.
+
+Prompt steps (PrefillGraphs): a prompt (or mixed prompt + decode) step launches ~10 kernels per
+layer from Python; at a few hundred tokens the GPU finishes each faster than the host can launch
+the next, so such a step is bound by the host. Everything but attention depends on the number of
+tokens alone, so it is captured once per padded token count: graph 0 runs the embedding and layer 0
+up to its attention, graph i from attention i-1 to attention i, the last one the final norm.
+Attention itself (with the q/k norm, rotary and KV store fused before it) depends on the step's
+sequences (their lengths, slots, block tables), so it runs eagerly between the replays, on the real
+tokens only: one graph replay and two kernel launches per layer instead of ~10 launches.
 
 Padded tokens (past the step's real ones, up to the captured size) sit at position 0; attention
 never reads or writes them (the KV store and the attention kernels see only the real tokens), and
@@ -17,6 +20,7 @@ every other op is row-wise, so their garbage stays in their own rows.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -25,9 +29,142 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.paged_attention import Attention, AttentionMetadata, QKPrep
+from engine.attention import Attention, AttentionMetadata, QKPrep
+from engine.runner.step_inputs import attention_metadata, block_table_array
 
 log = logging.getLogger("pagoda.runner")
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Python's garbage collector off while capturing: a collection inside a capture could free
+    pinned host memory of some dead object, whose event queries are illegal while capturing and
+    would void the graph."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Captured decode batch sizes: powers of two to 16, then every 16 to 128, then every 32.
+
+    A batch pads up to the next size; decode reads the weights once whatever the batch, so the
+    padded rows cost little, and fewer graphs capture faster and hold less memory."""
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 16)) + list(range(160, max_batch + 1, 32))
+    sizes = [b for b in sizes if b < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward (+ lm_head) for bucketed batch sizes.
+
+    All graphs read the same static input buffers and share one memory pool. A replay costs one
+    launch instead of one per kernel, which is what decode steps of small models are bound by.
+    Padded rows store nothing (slot -1) and attend to one key of block 0; their logits are ignored.
+    """
+
+    def __init__(self, runner, max_batch: int, max_blocks: int, max_model_len: int):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        device = runner.device
+        # Token ids, positions and KV slots travel together: one pinned host buffer, one copy.
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs
+        self.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write into the cache
+        self.host = [torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.host_tables = [torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.turn = 0
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # positions + 1, in the graph
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.max_model_len = max_model_len
+        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
+        for batch in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
+            self._capture(batch, pool)
+        torch.cuda.synchronize(device)
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.2f GiB",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved(device) - reserved) / 2**30,
+        )
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            query_start=list(range(batch + 1)),
+            seq_lens=[1] * batch,  # host copy unused by the graph backends
+            block_tables=self.block_tables[:batch],
+            seq_lens_tensor=self.seq_lens[:batch],
+            query_start_tensor=self.query_start[: batch + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, pool) -> None:
+        model, backend = self.runner.model, self.runner.backend
+        meta = self._meta(batch)
+
+        def forward() -> torch.Tensor:
+            self.seq_lens[:batch].copy_(self.positions[:batch] + 1)
+            backend.plan(meta)  # inside the graph: whatever it derives follows the replayed lengths
+            hidden = model(self.input_ids[:batch], self.positions[:batch], meta)
+            return model.compute_logits(hidden)
+
+        forward()  # compile / autotune outside the capture
+        torch.cuda.synchronize(self.runner.device)
+        graph = torch.cuda.CUDAGraph()
+        with no_collection(), torch.cuda.graph(graph, pool=pool):
+            self.logits[batch] = forward()
+        self.graphs[batch] = graph
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        tables: list[list[int]],
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.
+        `fill`: (row indices, token ids on the device) that replace those rows' token ids."""
+        n = len(token_ids)
+        batch = next(b for b in self.sizes if b >= n)
+        bs = self.runner.block_size
+        # Two staging buffers, alternating: with async scheduling this step's inputs are written
+        # while the previous step's copy from the other buffer may still be queued. The one from
+        # two steps back has landed: its step's tokens were waited for before this launch.
+        self.turn ^= 1
+        host_tensor, tables_tensor = self.host[self.turn], self.host_tables[self.turn]
+        host = host_tensor.numpy()
+        host[0, :n] = token_ids
+        pos = host[1, :n]
+        pos[:] = positions
+        tables_host = tables_tensor.numpy()
+        width = block_table_array(tables, tables_host)
+        host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        # Padded rows: position 0 (so one key to attend to), and no KV store.
+        host[1, n:batch] = 0
+        host[2, n:batch] = -1
+        self.inputs[:, :batch].copy_(host_tensor[:, :batch], non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables_tensor[:n, :width], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
+        self.graphs[batch].replay()
+        return self.logits[batch][:n]
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -147,7 +284,14 @@ class PrefillGraphs:
         """One sequence of `size` fresh tokens in block 0 that stores nothing: what the warm-up forward
         attends with (the graphs themselves never see it)."""
         runner = self.runner
-        meta = runner._metadata([size], np.arange(size), [[0] * -(-size // runner.block_size)])
+        meta = attention_metadata(
+            runner.backend,
+            runner.block_size,
+            runner.device,
+            [size],
+            np.arange(size),
+            [[0] * -(-size // runner.block_size)],
+        )
         meta.slot_mapping.fill_(-1)
         return meta
 
@@ -162,20 +306,16 @@ class PrefillGraphs:
         layers = self.layers
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        collecting = gc.isenabled()
-        gc.disable()  # see DecodeGraphs._capture
         try:
             for attn in layers:
                 attn.split = recorder
-            with torch.cuda.stream(stream):
+            with no_collection(), torch.cuda.stream(stream):
                 recorder.begin()
                 pieces.hidden = model(self.input_ids[:size], self.positions[:size], meta)
                 recorder.end()
         finally:
             for attn in layers:
                 attn.split = None
-            if collecting:
-                gc.enable()
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         assert len(pieces.graphs) == len(layers) + 1, "every attention layer must split the forward once"
         self.pieces[size] = pieces

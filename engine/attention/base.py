@@ -1,0 +1,151 @@
+"""What every attention backend shares: the step's metadata, the q/k preparation, the backend
+interface, and the `Attention` layer that calls its backend.
+
+KV cache layout, per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim]. A token's
+slot is block_id * block_size + offset, so `cache.view(-1, kv_heads, head_dim)[slot]` is that
+token's row (ARCHITECTURE.md says why this layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.ops import TORCH_OPS, Ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch of tokens sits in the paged cache; built once per step by the runner."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: padding, not stored)
+    query_start: list[int]  # [S + 1]: sequence s owns new tokens query_start[s]:query_start[s+1]
+    seq_lens: list[int]  # [S]: tokens in the cache for s after this step (context + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    seq_lens_tensor: torch.Tensor  # [S] int32, on device
+    query_start_tensor: torch.Tensor  # [S + 1] int32, on device
+    max_query_len: int
+    max_seq_len: int
+    fresh: bool = False  # every sequence is a whole prompt with nothing cached before this step
+    plan: Any = None  # what the backend's `plan` worked out for this step, read by every layer
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class QKPrep:
+    """What q and k get before attention, in this order: a per-head RMSNorm (Qwen3's q_norm and
+    k_norm; None for the others), then rotary embedding at `positions`. The GPU backends fuse both
+    into their KV-store kernel (engine/kernels/qkv_store.py); the others run the modules."""
+
+    positions: torch.Tensor  # [T] on the device (a piecewise graph's is its captured size: the kernel reads T)
+    rotary: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(self.positions, q, k)
+
+
+class AttentionBackend:
+    """One family of attention kernels. Chosen once at start-up (engine/attention/__init__.py:
+    select_backend); every layer's `Attention` calls the same instance.
+
+    A step: the runner calls `plan` once on the step's metadata; then each layer calls `write_kv`
+    (prepare q/k, store the new K/V), and `decode` for a batch of one-token queries or `prefill`
+    for anything else (prompt chunks, with or without cached context, and decodes beside them)."""
+
+    name = "base"
+    ops: Ops = TORCH_OPS  # the norm / SwiGLU kernels that go with these attention kernels
+    supports_graphs = False  # its calls can be captured in CUDA graphs
+    pad_block_tables = 1  # block-table width is padded to a multiple of this (kernel variants; step_inputs.py)
+    # Prompt lengths whose forwards compile every kernel variant a prompt step can meet; run at start-up
+    # with and without cached context (ModelRunner.compile_kernels). Empty: nothing to compile.
+    warmup_prompt_lens: tuple[tuple[int, ...], ...] = ()
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Per-step work every layer would otherwise repeat; stored in `meta.plan`."""
+
+    def write_kv(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        prep: QKPrep | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare q and k (`prep`), store k and v at the step's slots; returns the prepared q and k."""
+        raise NotImplementedError
+
+    def prefill(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Queries of any length per sequence against their whole context -> [T, H, D] (into `out`)."""
+        raise NotImplementedError
+
+    def decode(
+        self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One query per sequence, q [S, H, D], against its context -> [S, H, D] (into `out`)."""
+        raise NotImplementedError
+
+
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, copied into `out` when the caller gave one (piecewise graphs read a fixed buffer)."""
+    return result if out is None else out.copy_(result)
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer; the runner binds its K/V cache tensors after allocation and its
+    backend at start-up."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        if backend is None:
+            from engine.attention.torch_ref import TorchBackend
+
+            backend = TorchBackend()
+        self.backend = backend
+        # While the runner captures piecewise CUDA graphs (engine/runner/cuda_graphs.py): called instead of
+        # attending, it ends one graph at this layer's attention and begins the next.
+        self.split = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        prep: QKPrep | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D], before `prep` -> [T, H, D] (into `out` when given)."""
+        if self.split is not None:
+            return self.split(self, q, k, v, meta, prep)
+        backend = self.backend
+        q, k = backend.write_kv(self, q, k, v, meta, prep)
+        if meta.decode_only:
+            return backend.decode(self, q, meta, out)
+        return backend.prefill(self, q, k, v, meta, out)

@@ -1,0 +1,72 @@
+"""The triton backend: pagoda's own kernels (engine/kernels), the default on CUDA.
+
+Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v), the
+rest (chunks after cached context, decodes beside prompts) to `paged_prefill` through the block
+tables; decode batches to the split-KV `paged_decode`. On a Hopper GPU with flash-attn-4
+installed, `TritonFa4Backend` (flash_attn.py) sends prompt steps with a long query run there instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.ops import triton_ops_table
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_graphs = True
+    # Triton compiles a kernel variant per divisibility of an integer argument; a block-table width
+    # that is always a multiple of 16 keeps the variants compiled at start-up the only ones.
+    pad_block_tables = 16
+    # Token counts select no variant (strides and the block-table width do), so one small step compiles
+    # the two prompt-step kernels; the decode kernels compile in the graph captures.
+    warmup_prompt_lens = ((9, 8),)
+
+    def __init__(self, device: torch.device):
+        from engine.kernels import attention
+
+        self.kernels = attention
+        self.ops = triton_ops_table()
+        # The decode split count aims at a number of programs per SM of this device.
+        self.num_sms = attention.num_sms(device)
+
+    def write_kv(self, layer, q, k, v, meta, prep):
+        from engine.kernels.qkv_store import prepare_and_store
+
+        rope = {} if prep is None else dict(positions=prep.positions, cos=prep.rotary.cos, sin=prep.rotary.sin)
+        if prep is not None and prep.q_norm is not None:
+            rope.update(q_norm=prep.q_norm.weight, k_norm=prep.k_norm.weight, eps=prep.q_norm.eps)
+        prepare_and_store(q, k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, **rope)  # q, k in place
+        return q, k
+
+    def prefill(self, layer, q, k, v, meta: AttentionMetadata, out):
+        kernels = self.kernels
+        if meta.fresh and kernels.fresh_prefill_fits(q, k, v):
+            return kernels.prefill_fresh(q, k, v, meta.query_start_tensor, layer.scale, meta.max_query_len, out=out)
+        return kernels.paged_prefill(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            meta.block_tables,
+            meta.query_start_tensor,
+            meta.seq_lens_tensor,
+            layer.scale,
+            meta.max_query_len,
+            out=out,
+        )
+
+    def decode(self, layer, q, meta, out):
+        kernels = self.kernels
+        splits = kernels.decode_num_splits(q.shape[0], layer.num_kv_heads, self.num_sms)
+        return kernels.paged_decode(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            meta.block_tables,
+            meta.seq_lens_tensor,
+            layer.scale,
+            out=out,
+            num_splits=splits,
+        )

@@ -1,0 +1,268 @@
+"""The model runner: loads the model behind the chosen attention backend, sizes and binds the KV
+cache, captures the CUDA graphs, and runs each step's forward + sampling."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import select_backend
+from engine.config import EngineConfig
+from engine.layers.linear import can_prepack, prepack_linears
+from engine.loader import head_dim_of, load_model, read_hf_config
+from engine.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
+from engine.runner.kv_cache import KVCache, blocks_that_fit_on_gpu
+from engine.runner.step_inputs import attention_metadata, placeholders, step_inputs, upload
+from engine.sampler import Sampler, SamplerRow
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence, TokenLogprobs
+
+log = logging.getLogger("pagoda.runner")
+
+
+@dataclass
+class SampledTokens:
+    """One step's sampled token per sampling row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # None: no row asked
+
+
+@dataclass
+class LaunchedStep:
+    """A forward + sampling enqueued on the device; its tokens reach the host when `event` fires."""
+
+    sampling: list[tuple[Sequence, int]]
+    token_ids: torch.Tensor | None  # [rows] on the device: the next step's inputs read them there
+    host: list[torch.Tensor | None]  # token ids, logprobs, top ids, top logprobs, copied to (pinned) host memory
+    event: torch.cuda.Event | None  # recorded after the copies; None on the CPU
+
+    def row_of(self) -> dict[int, int]:
+        return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.backend = select_backend(
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            config.block_size,
+            head_dim_of(read_hf_config(model_dir)),
+            config.fa4_prefill_min_tokens,
+            config.max_num_batched_tokens,
+        )
+        self.model, self.hf_config = load_model(
+            model_dir, self.dtype, self.device, config.load_format, config.seed, self.backend
+        )
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
+        self.kv_cache = KVCache(
+            self.model.attention_layers(), config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        if can_prepack(self.dtype, self.device):
+            prepack_linears(self.model)
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+
+    # ----- start-up: KV cache, kernels, graphs -----
+
+    def allocate_kv_cache(self, max_model_len: int) -> int:
+        """Size the block pool from the memory budget, allocate it, bind it to the layers."""
+        if self.device.type == "cuda":
+            self.compile_kernels()
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = blocks_that_fit_on_gpu(
+                self.device,
+                self.config.gpu_memory_utilization,
+                self.kv_cache.bytes_per_block,
+                self._profile_forward,
+                lambda: self._graph_memory(max_model_len),
+            )
+        else:
+            num_blocks = self.config.cpu_kv_cache_bytes // self.kv_cache.bytes_per_block
+        if num_blocks < 1:
+            raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or raise the budget")
+        self.kv_cache.bind(num_blocks)
+        return num_blocks
+
+    def _graph_memory(self, max_model_len: int) -> int:
+        """Bytes the CUDA graphs will hold (their memory pools and static buffers), found by capturing
+        them once against a one-block cache and releasing them. The graphs keep the address of the
+        cache they were captured with, so the real capture has to come after the real cache."""
+        if not self._graphs_enabled():
+            return 0
+        self.kv_cache.bind(1)  # the captures store nothing (slot -1) and read only block 0
+        before = torch.cuda.memory_reserved(self.device)
+        level = log.level
+        log.setLevel(logging.WARNING)  # the capture is logged once, when it is done for real
+        try:
+            self.capture_cuda_graphs(max_model_len)
+        finally:
+            log.setLevel(level)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        used = torch.cuda.memory_reserved(self.device) - before
+        self.graphs = self.prefill_graphs = None
+        self.kv_cache.bind(0)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return max(0, used)
+
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_graphs
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward + sampling over max_num_batched_tokens dummy tokens, with a throwaway cache."""
+        cfg = self.config
+        num_tokens = cfg.max_num_batched_tokens
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        hidden = self._dummy_forward(lens)
+        logits = self.model.compute_logits(hidden[:num_seqs])
+        # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
+        params = SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            frequency_penalty=0.5,
+            logprobs=MAX_LOGPROBS,
+        )
+        self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
+        torch.cuda.synchronize(self.device)
+
+    def compile_kernels(self) -> None:
+        """Compile, before serving, the attention kernels a prompt step can take (the backend's
+        warm-up prompt lengths, with and without cached context): a kernel compiles the first time
+        a step calls it, seconds of stall in the middle of serving otherwise."""
+        for lens in self.backend.warmup_prompt_lens:
+            for cached in (0, 16):
+                self._dummy_forward(list(lens), cached)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _dummy_forward(self, lens: list[int], cached: int = 0) -> torch.Tensor:
+        """An eager forward over dummy prompts of `lens` new tokens after `cached` tokens of (zero)
+        context each, against a throwaway cache."""
+        blocks_per_seq = -(-(cached + max(lens)) // self.block_size)
+        self.kv_cache.bind(blocks_per_seq * len(lens))
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
+        positions = np.concatenate([np.arange(cached, cached + n) for n in lens])
+        meta = attention_metadata(self.backend, self.block_size, self.device, lens, positions, tables)
+        input_ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, upload(positions, self.device), meta)
+        self.kv_cache.bind(0)
+        return hidden
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture the decode graphs and the piecewise prompt-step graphs, when the device and backend
+        allow them and they are not turned off."""
+        if not self._graphs_enabled():
+            return
+        max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
+        self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
+        max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
+        if max_tokens >= 16:
+            self.prefill_graphs = PrefillGraphs(self, max_tokens)
+
+    # ----- the step -----
+
+    @torch.inference_mode()
+    def launch(
+        self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]], previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Enqueue one forward over `scheduled` and the sampling of each (sequence, index into
+        `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row).
+
+        A sequence's last token may be PLACEHOLDER: sampled by `previous`, which is still on the
+        device; its value is copied there from `previous`'s token tensor, with no host sync."""
+        inputs = step_inputs(scheduled)
+        fill = None
+        if previous is not None:
+            fill = placeholders(inputs, previous.row_of(), previous.token_ids, self.device)
+        rows = [row for _, row in sampling]
+        if self.graphs is not None and inputs.decode_only and self.graphs.fits(len(inputs.seqs)):
+            logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.tables, fill)
+            if rows != list(range(len(inputs.seqs))):  # n > 1 children read their parent's row
+                logits = logits[upload(np.asarray(rows), self.device)]
+        else:
+            meta = attention_metadata(
+                self.backend, self.block_size, self.device, inputs.num_new, inputs.positions, inputs.tables
+            )
+            if self.prefill_graphs is not None and self.prefill_graphs.fits(len(inputs.token_ids)):
+                hidden = self.prefill_graphs.run(inputs.token_ids, inputs.positions, meta, fill)
+            else:
+                input_ids = upload(inputs.token_ids, self.device)
+                if fill is not None:
+                    input_ids[fill[0]] = fill[1]
+                hidden = self.model(input_ids, upload(inputs.positions, self.device), meta)
+            logits = None
+            if sampling:
+                logits = self.model.compute_logits(hidden[upload(inputs.ends[rows] - 1, self.device)])
+        if not sampling:
+            return LaunchedStep([], None, [None] * 4, None)
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]]) -> LaunchedStep:
+        sampler_rows = [
+            SamplerRow(
+                seq.request.params,
+                seq.seed,
+                seq.request.prompt_token_ids,
+                seq.output_token_ids if seq.request.params.reads_output_tokens else [],
+                seq.num_output_tokens,
+            )
+            for seq, _ in sampling
+        ]
+        out = self.sampler(logits, sampler_rows)
+        device_out = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+        if self.device.type != "cuda":
+            return LaunchedStep(sampling, out.token_ids, device_out, None)
+        # Pinned destinations: the copies run in stream order and the host does not wait for them.
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_out]
+        for dst, src in zip(host, device_out):
+            if src is not None:
+                dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(sampling, out.token_ids, host, event)
+
+    def collect(self, step: LaunchedStep) -> SampledTokens:
+        """Wait for a launched step's tokens (only its own copies, not later work) and read them."""
+        if step.event is not None:
+            step.event.synchronize()
+        if not step.sampling:
+            return SampledTokens([], None)
+        host = step.host
+        # On the CPU these are the sampler's own tensors; on CUDA, host copies that have landed.
+        token_ids = host[0].tolist()
+        if host[1] is None:
+            return SampledTokens(token_ids, None)
+        logprobs = host[1].tolist()
+        top_ids = host[2].tolist() if host[2] is not None else None
+        top_lps = host[3].tolist() if host[3] is not None else None
+        per_row: list[TokenLogprobs | None] = []
+        for i, ((seq, _), token) in enumerate(zip(step.sampling, token_ids)):
+            k = seq.request.params.logprobs
+            if k is None:
+                per_row.append(None)
+                continue
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
+            per_row.append(TokenLogprobs(token, logprobs[i], top))
+        return SampledTokens(token_ids, per_row)

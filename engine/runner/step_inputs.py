@@ -1,0 +1,137 @@
+"""A step's flat inputs: token ids, positions, the attention metadata (slots, block tables, lengths),
+and the placeholders async scheduling leaves for tokens still on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.scheduler import ScheduledSeq
+from engine.sequence import PLACEHOLDER, Sequence
+
+
+@dataclass
+class StepInputs:
+    """Host arrays of one step, sequence after sequence."""
+
+    seqs: list[Sequence]
+    num_new: np.ndarray  # [S] tokens each sequence computes this step
+    token_ids: np.ndarray  # [T] int64 (PLACEHOLDERs zeroed; `fill` supplies them on the device)
+    positions: np.ndarray  # [T] int64
+    ends: np.ndarray  # [S] index past each sequence's last new token
+    tables: list[list[int]]  # [S] block tables
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.token_ids) == len(self.seqs)
+
+
+def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
+    """The token ids the scheduled sequences compute this step, one after another, as int64."""
+    out = np.empty(sum(item.num_new_tokens for item in scheduled), dtype=np.int64)
+    # One-token items (decodes) are gathered and converted together; longer ones come as arrays.
+    single_at: list[int] = []
+    single_ids: list[int] = []
+    offset = 0
+    for item in scheduled:
+        seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        if num_new == 1:
+            single_at.append(offset)
+            single_ids.append(seq.token_ids[start])
+        else:
+            out[offset : offset + num_new] = seq.token_array(start, start + num_new)
+        offset += num_new
+    out[single_at] = single_ids
+    return out
+
+
+def step_inputs(scheduled: list[ScheduledSeq]) -> StepInputs:
+    seqs = [s.seq for s in scheduled]
+    num_new = np.array([s.num_new_tokens for s in scheduled])
+    num_computed = np.array([s.num_computed_tokens for s in seqs])
+    token_ids = new_token_ids(scheduled)
+    # Positions: each sequence's new tokens continue from its computed ones.
+    ends = np.cumsum(num_new)
+    positions = np.repeat(num_computed - (ends - num_new), num_new) + np.arange(len(token_ids))
+    return StepInputs(seqs, num_new, token_ids, positions, ends, [s.block_table for s in seqs])
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # non_blocking: a copy from pageable memory is staged at once, without waiting for the GPU
+    # to finish earlier work (a blocking copy would, and the host would idle until it does).
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def placeholders(
+    inputs: StepInputs,
+    previous_rows: dict[int, int] | None,
+    previous_tokens: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input indices, their tokens on the device) for PLACEHOLDER inputs, taken from the previous
+    step's sampled tokens (`previous_rows`: seq_id -> its row there); zeroes them in `token_ids`.
+
+    A placeholder is always the last token of its sequence, so only the last input of each
+    sequence is looked at."""
+    if previous_rows is None:
+        return None
+    last = inputs.ends - 1
+    waiting = np.flatnonzero(inputs.token_ids[last] == PLACEHOLDER)
+    if not len(waiting):
+        return None
+    dst = last[waiting]
+    inputs.token_ids[dst] = 0
+    src = np.array([previous_rows[inputs.seqs[i].seq_id] for i in waiting])
+    return upload(dst, device), previous_tokens[upload(src, device)]
+
+
+def block_table_array(tables: list[list[int]], out: np.ndarray | None = None, multiple: int = 16):
+    """Rows of block ids, zero-padded to a common width that is a multiple of `multiple`.
+
+    The width is a stride of the attention kernels' block-table argument (AttentionBackend.pad_block_tables
+    says why a backend pads it). Without `out`: a new [rows, width] int32 array. With `out` (a
+    [max_rows, max_width] buffer): fills its top-left corner, returns the width.
+    """
+    width = -(-max(len(t) for t in tables) // multiple) * multiple
+    array = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
+    for row, table in enumerate(tables):
+        array[row, : len(table)] = table
+    # In `out`, entries past a row's length keep an earlier step's block ids: harmless, since the
+    # kernels that read it (graphs run only graph-capable backends) stop at seq_len.
+    return array if out is None else width
+
+
+def attention_metadata(
+    backend: AttentionBackend,
+    block_size: int,
+    device: torch.device,
+    num_new: list[int] | np.ndarray,
+    positions: np.ndarray,
+    tables: list[list[int]],
+) -> AttentionMetadata:
+    """The metadata of a step whose sequences compute `num_new` tokens each at `positions` (every new
+    token's position, sequence after sequence), planned by `backend`."""
+    num_new = np.asarray(num_new)  # converted once for the three uses below
+    query_start = np.zeros(len(num_new) + 1, dtype=np.int32)
+    np.cumsum(num_new, out=query_start[1:])
+    seq_lens = positions[query_start[1:] - 1] + 1
+    block_tables = block_table_array(tables, multiple=backend.pad_block_tables)
+    # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, one vectorized gather.
+    seq_index = np.repeat(np.arange(len(num_new)), num_new)
+    slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=upload(slots, device),
+        query_start=query_start.tolist(),
+        seq_lens=seq_lens.tolist(),
+        block_tables=upload(block_tables, device),
+        seq_lens_tensor=upload(seq_lens.astype(np.int32), device),
+        query_start_tensor=upload(query_start, device),
+        max_query_len=int(num_new.max()),
+        max_seq_len=int(seq_lens.max()),
+        fresh=bool((seq_lens == np.diff(query_start)).all()),
+    )
+    backend.plan(meta)
+    return meta
