@@ -133,12 +133,23 @@ class LLMEngine:
         arrival_time: float | None = None,
         queue_timeout: float | None = None,
     ) -> Request:
-        """Queue a request; raises InvalidParameter (with the offending param) when it cannot be served.
+        """Validate and queue a request: new_request() then enqueue()."""
+        return self.enqueue(self.new_request(request_id, prompt, params, priority, arrival_time, queue_timeout))
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        queue_timeout: float | None = None,
+    ) -> Request:
+        """A validated request for enqueue(); raises InvalidParameter (with the offending param) when it
+        cannot be served. It reads no scheduling state, so another thread may call it (AsyncEngine's callers do).
 
         A request still waiting for its first scheduling `queue_timeout` seconds after arrival
         (default: the config's `queue_timeout`) finishes with finish_reason "timeout"."""
-        if request_id in self.requests:
-            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: give the prompt as token ids")
@@ -152,7 +163,13 @@ class LLMEngine:
         timeout = queue_timeout if queue_timeout is not None else self.config.queue_timeout
         if timeout is not None:
             request.queue_deadline = request.arrival_time + timeout
-        self.requests[request_id] = request
+        return request
+
+    def enqueue(self, request: Request) -> Request:
+        """Queue a request made by new_request() (validated there, not again here)."""
+        if request.request_id in self.requests:
+            raise InvalidParameter("request_id", f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add(self._new_sequence(request, 0))
         return request
 
