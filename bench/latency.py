@@ -53,6 +53,8 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from bench.cli import require_plotting
+
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "jargon-file-4.4.7.txt"
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = (
@@ -863,12 +865,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plot":
         plot_args = build_plot_parser().parse_args(argv[1:])
+        require_plotting()
         out = plot_results([load_result_file(f) for f in plot_args.files], plot_args.out, plot_args.title)
         print(f"wrote {out}")
         return 0
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        require_plotting()  # before the run, not after it
     try:
         slos = _slos(args.goodput)
         percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]

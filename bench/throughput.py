@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.cli import require_plotting
+
 DEFAULT_BATCH_SIZES = "1,8,32,64,128,256"
 DEFAULT_INPUT_LENS = "128,512,2048"
 DEFAULT_OUTPUT_LENS = "128,256"
@@ -616,6 +618,8 @@ def run(args: argparse.Namespace) -> int:
             f"--{single[0].replace('_', '-')} (single point) and --{swept[0].replace('_', '-')} "
             "(sweep) do not go together"
         )
+    if args.plot_from or not single:  # both end in plots: say now, not after the sweep, if they cannot be drawn
+        require_plotting()
     if args.plot_from:
         write_plots(read_csv_rows(args.plot_from.split(",")), args.plot_dir or "bench/results/plots")
         return 0

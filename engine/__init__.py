@@ -3,7 +3,8 @@
 import logging
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLM, LLMEngine
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.sequence import CompletionOutput, RequestOutput, TokenLogprobs
 

@@ -1,8 +1,10 @@
 """AsyncEngine: runs LLMEngine.step() on a background thread and streams each request's outputs.
 
 The engine loop owns the LLMEngine; callers on the asyncio side only put commands (add, abort)
-on a thread-safe queue and receive their request's outputs in an OutputSink. Outputs of one step are handed to
-the event loop in a single call, so a step costs the event loop one wake-up, not one per request.
+on a thread-safe queue and receive their request's outputs in an OutputSink. A request is validated
+once, on the caller's side (new_request), so an invalid one raises there and the loop only enqueues.
+Outputs of one step are handed to the event loop in a single call, so a step costs the event loop one
+wake-up, not one per request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Protocol
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestOutput
+from engine.sequence import Request, RequestOutput
 
 log = logging.getLogger("pagoda.async_engine")
 
@@ -30,12 +32,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    queue_timeout: float | None
+    request: Request  # validated by new_request()
     sink: OutputSink
 
 
@@ -107,6 +104,30 @@ class AsyncEngine:
 
     # ----- the asyncio side -----
 
+    def new_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        queue_timeout: float | None = None,
+    ) -> Request:
+        """A validated request (prompt already tokenized), arriving now, for submit(): the one check of it.
+
+        Raises InvalidParameter if it cannot be served; nothing is queued. Any thread may call it.
+        """
+        return self.engine.new_request(request_id, prompt, params, priority, time.monotonic(), queue_timeout)
+
+    def submit(self, request: Request, sink: OutputSink) -> None:
+        """Queue a request from new_request() (not checked again); its outputs go to `sink` on the sink's loop.
+
+        Raises EngineDeadError if the loop has stopped. Whoever stops listening before the end must call abort().
+        """
+        with self._lock:  # against the loop thread closing between the check and the put
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._commands.put(_Add(request, sink))
+
     def add(
         self,
         request_id: str,
@@ -116,16 +137,9 @@ class AsyncEngine:
         priority: int = 0,
         queue_timeout: float | None = None,
     ) -> None:
-        """Queue a request (prompt already tokenized); its outputs go to `sink` on the sink's loop.
-
-        Raises InvalidParameter (nothing queued) if the request cannot be served, EngineDeadError if
-        the loop has stopped. Whoever stops listening before the end must call abort().
-        """
-        self.engine.check_request(prompt, params)
-        with self._lock:  # against the loop thread closing between the check and the put
-            if not self.is_alive:
-                raise EngineDeadError("the engine is not running")
-            self._commands.put(_Add(request_id, prompt, params, priority, time.monotonic(), queue_timeout, sink))
+        """new_request() then submit(): raises InvalidParameter (nothing queued) if the request cannot be
+        served, EngineDeadError if the loop has stopped."""
+        self.submit(self.new_request(request_id, prompt, params, priority, queue_timeout), sink)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (an unknown or finished one is ignored); its sink gets None."""
@@ -201,18 +215,11 @@ class AsyncEngine:
                 self._deliver(sink, None)
             return
         try:
-            self.engine.add_request(
-                command.request_id,
-                command.prompt,
-                command.params,
-                command.priority,
-                command.arrival_time,
-                command.queue_timeout,
-            )
+            self.engine.enqueue(command.request)
         except Exception as exc:  # e.g. a duplicate request id: that request fails, the loop goes on
             self._deliver(command.sink, exc)
             return
-        self._sinks[command.request_id] = command.sink
+        self._sinks[command.request.request_id] = command.sink
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, RequestOutput]]] = {}
@@ -240,7 +247,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                self._sinks[command.request_id] = command.sink
+                self._sinks[command.request.request_id] = command.sink
         for sink in self._sinks.values():
             try:
                 self._deliver(sink, error)

@@ -1,8 +1,18 @@
-"""EngineConfig: every engine knob, with its default."""
+"""EngineConfig: every engine knob, with its default and what `pagoda serve --help` says about it.
+
+Each field's metadata holds its help text and, where they apply, its choices and how the command line
+takes it; server/cli.py generates the flags (and README.md's flag table) from them:
+
+    help          what the knob does (required)
+    choices       the values it takes
+    min           the smallest value the flag accepts (checked when the command line is parsed)
+    default_help  how --help tells the default when its value alone says too little (e.g. None)
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,37 +27,91 @@ DTYPES = {
 }
 
 
+def knob(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field with its help text and flag metadata (see the module's docstring)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory; None: the embedded default model
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
-    seed: int = 0  # seeds dummy weights and the draws for unseeded requests
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 2 << 30  # the KV pool's byte budget on the CPU
-    num_gpu_blocks_override: int | None = None  # fix the pool size (tests, experiments)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap (to a CPU pool of swap_space GiB)
-    queue_timeout: float | None = None  # seconds a request may wait unscheduled before it fails ("timeout")
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption_mode="swap")
-    attention_backend: str = "auto"  # auto | torch | triton | flash_attn | cpu (auto: triton on CUDA, cpu on the CPU)
-    enforce_eager: bool = False  # no CUDA graphs
-    max_graph_batch_size: int = 512  # decode batches up to this size replay a captured CUDA graph
-    # Steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA graphs (0: never).
-    max_prefill_graph_tokens: int = 1024
-    # With the triton backend on a Hopper GPU, attention of prompt steps whose longest query run has at
-    # least this many tokens goes to flash-attn-4 when it is installed (0: never): level with pagoda's
-    # kernels at 2,048 tokens, faster beyond, slower below. See engine/attention/flash_attn.py.
-    fa4_prefill_min_tokens: int = 2048
-    # Schedule and launch step N+1 while step N runs on the device. None: on for CUDA, where the host's
-    # work per step hides behind the GPU's; off on the CPU, where the same cores do both and nothing overlaps.
-    async_scheduling: bool | None = None
+    model: str | None = knob(
+        None,
+        "a Hugging Face model directory (config.json, *.safetensors, tokenizer); pagoda serve also takes the id of "
+        "a model in the local Hugging Face cache",
+        default_help="the embedded default, SmolLM2-135M-Instruct",
+    )
+    dtype: str = knob(
+        "auto",
+        "weight and activation dtype; auto: bfloat16 on CUDA, float32 on the CPU",
+        choices=("auto", *DTYPES),
+    )
+    device: str = knob("auto", "cpu, cuda, cuda:N, or auto: cuda if available")
+    load_format: str = knob(
+        "auto",
+        "auto: the safetensors files; dummy: random weights of the model's architecture (config.json), for benchmarks",
+        choices=("auto", "safetensors", "dummy"),
+    )
+    seed: int = knob(0, "seeds dummy weights and the sampling of requests that give no seed")
+    max_num_seqs: int = knob(256, "sequences decoded together, at most", min=1)
+    max_num_batched_tokens: int = knob(
+        8192, "tokens computed per engine step, at most: prefill chunks + decodes", min=1
+    )
+    block_size: int = knob(16, "tokens per KV-cache block, a power of 2", min=1)
+    gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory for weights, activations and the KV cache")
+    cpu_kv_cache_bytes: int = knob(2 << 30, "on the CPU, the KV cache's byte budget", min=1, default_help="2 GiB")
+    num_gpu_blocks_override: int | None = knob(
+        None,
+        "fix the number of KV-cache blocks instead of sizing the pool from memory (tests, experiments)",
+        min=1,
+        default_help="sized from memory",
+    )
+    max_model_len: int | None = knob(
+        None, "context length: prompt + output tokens", min=1, default_help="the model's max_position_embeddings"
+    )
+    enable_chunked_prefill: bool = knob(True, "split long prompts across steps so decodes keep going")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes seen before")
+    preemption_mode: str = knob(
+        "recompute",
+        "when KV blocks run out, drop a sequence's blocks and recompute them later, or swap them to CPU memory "
+        "(--swap-space)",
+        choices=("recompute", "swap"),
+    )
+    queue_timeout: float | None = knob(
+        None,
+        "seconds a request may wait to be scheduled; beyond it, it finishes with finish_reason 'timeout', which "
+        "the server answers 503",
+        default_help="no limit",
+    )
+    swap_space: float = knob(4.0, "GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap")
+    attention_backend: str = knob(
+        "auto",
+        "attention kernels: triton (pagoda's own; auto's choice on CUDA), flash_attn (the flash-attn package or "
+        "vLLM's build of it, when installed), cpu (pagoda's C kernels, compiled with the system cc on first use and "
+        "cached in $PAGODA_CACHE/kernels; auto's choice on the CPU, which falls back to torch where no compiler "
+        "works), torch (plain PyTorch, the reference)",
+        choices=("auto", *BACKENDS),
+    )
+    enforce_eager: bool = knob(False, "never replay CUDA graphs (slower; for debugging)")
+    max_graph_batch_size: int = knob(512, "decode batches up to this size replay a captured CUDA graph", min=1)
+    max_prefill_graph_tokens: int = knob(
+        1024,
+        "steps with prompt tokens, up to this many tokens in all, replay CUDA graphs captured in pieces between "
+        "the attention calls (0: never)",
+    )
+    fa4_prefill_min_tokens: int = knob(
+        2048,
+        "with the triton backend on a Hopper GPU where flash-attn-4 is installed (pip install -e '.[fa4]'; with a "
+        "CUDA 13 build of torch, pip install --pre 'flash-attn-4[cu13]', the set bench/fa4_h100.sh carries), "
+        "prompt steps whose longest prompt chunk has at least this many tokens attend through it: time to first "
+        "token level with pagoda's kernels at 2k tokens, 4-14% faster from 4k to 32k, slower below (0: never)",
+    )
+    async_scheduling: bool | None = knob(
+        None,
+        "schedule and launch each step while the previous one still runs on the GPU, so the host's work per step "
+        "hides behind the device's (requests with repetition/presence/frequency penalties wait instead); on the "
+        "CPU the same cores do both and nothing overlaps",
+        default_help="on with CUDA, off on the CPU",
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":

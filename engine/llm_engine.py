@@ -1,15 +1,12 @@
-"""LLMEngine.step(): schedule -> run -> sample -> update; and the offline `LLM` API."""
+"""LLMEngine: requests in, `step()` = schedule -> run -> sample -> update, request outputs out."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.block_manager import BlockManager, SwapPool
@@ -132,12 +129,23 @@ class LLMEngine:
         arrival_time: float | None = None,
         queue_timeout: float | None = None,
     ) -> Request:
-        """Queue a request; raises InvalidParameter (with the offending param) when it cannot be served.
+        """Validate and queue a request: new_request() then enqueue()."""
+        return self.enqueue(self.new_request(request_id, prompt, params, priority, arrival_time, queue_timeout))
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        queue_timeout: float | None = None,
+    ) -> Request:
+        """A validated request for enqueue(); raises InvalidParameter (with the offending param) when it
+        cannot be served. It reads no scheduling state, so another thread may call it (AsyncEngine's callers do).
 
         A request still waiting for its first scheduling `queue_timeout` seconds after arrival
         (default: the config's `queue_timeout`) finishes with finish_reason "timeout"."""
-        if request_id in self.requests:
-            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: give the prompt as token ids")
@@ -151,7 +159,13 @@ class LLMEngine:
         timeout = queue_timeout if queue_timeout is not None else self.config.queue_timeout
         if timeout is not None:
             request.queue_deadline = request.arrival_time + timeout
-        self.requests[request_id] = request
+        return request
+
+    def enqueue(self, request: Request) -> Request:
+        """Queue a request made by new_request() (validated there, not again here)."""
+        if request.request_id in self.requests:
+            raise InvalidParameter("request_id", f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add(self._new_sequence(request, 0))
         return request
 
@@ -325,25 +339,6 @@ class LLMEngine:
         return children
 
 
-@contextlib.contextmanager
-def frozen_heap():
-    """Keep the objects that exist now out of Python's cyclic garbage collections while the block runs.
-
-    A collection of the oldest generation walks every object, torch's and the model's among them
-    (~170,000 with a tiny model on the CPU): a stall of 0.1-0.2 s in whatever step it lands in, about
-    once a W2 run. The objects the block makes are still collected as usual, and those frozen go back
-    to the oldest generation after it. Nothing is done when the caller froze objects itself, since
-    unfreezing would undo that too."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _load_tokenizer(model_dir: str):
     """The model's tokenizer, or None for a directory without tokenizer files (token-id prompts only)."""
     path = Path(model_dir)
@@ -361,66 +356,3 @@ def _config_eos(model_dir: str) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(eos if isinstance(eos, list) else [eos])
-
-
-class LLM:
-    """Offline batch generation, shaped like vLLM's `LLM`."""
-
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self._ids = itertools.count()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | list[str] | list[list[int]] | list[int],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: list[int] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        ids = []
-        # Offline, only the finished outputs are read.
-        sampling_params = [replace(p, output_kind="final_only") for p in sampling_params]
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
-            ids.append(request_id)
-        return self._run(ids, use_tqdm)
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
-
-        finished: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar, frozen_heap():
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        return [finished[i] for i in ids]

@@ -41,7 +41,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.ratelimit import RateLimiter
-from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, sse_events
+from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, engine_requests, sse_events
 
 log = logging.getLogger("pagoda.server")
 
@@ -241,11 +241,6 @@ class _Server:
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
 
-    def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        for prompt in prompts:
-            # Before anything is queued, so a bad prompt in a list leaves no other prompt running.
-            self.engine.engine.check_request(prompt, params)
-
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """The templated prompt's token ids (call it in the tokenizer thread)."""
         conversation = []
@@ -438,10 +433,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return json_response(render.completion(job, outputs, server.strings))
 
     def start(request: Request, job: render.Job, params: SamplingParams, priority: int) -> Generation:
-        server.check_prompts(job.prompts, params)
+        # Every prompt is validated here, once (the engine does not check again), and before anything is
+        # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
+        requests = engine_requests(engine, job.id, job.prompts, params, priority)
         server.admit()
         server.charge(request, job.prompts, params)
-        return Generation(request, engine, job.id, job.prompts, params, priority, server.admission, server.metrics)
+        return Generation(request, engine, requests, server.admission, server.metrics)
 
     def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:
         events = sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body())

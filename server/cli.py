@@ -1,35 +1,191 @@
 """The `pagoda` command: `pagoda serve [MODEL] ...` starts the OpenAI-compatible server.
 
-Flags are spelled as `vllm serve` spells them wherever vLLM has the same knob, so a vLLM
-command line carries over.
+Flags are spelled as `vllm serve` spells them wherever vLLM has the same knob, so a vLLM command line
+carries over. They are not written here: each is generated from a field of ServerConfig (server/config.py)
+or EngineConfig (engine/config.py). The flag is the field's name with dashes, its type the field's annotation
+(X | None: X, default None), its choices, help and bounds the field's metadata; a bool is --x / --no-x, or a
+plain --x switch when it is off by default. README.md's flag table is generated from the same fields
+(`python -m server.cli flag-table --write` rewrites it; tests/test_cli.py fails when it drifts).
+
+Other installed packages add commands through the entry point group `pagoda.commands`: each entry point is a
+function that takes the subparsers object and adds its command's parser, with `run` set to a function of
+the parsed arguments that returns the exit code (bench/cli.py adds `pagoda bench` so).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger("pagoda.server")
 
-_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+PLUGIN_GROUP = "pagoda.commands"
+_README = Path(__file__).resolve().parents[1] / "README.md"
+_TABLE_START = (
+    "<!-- flag table: generated from ServerConfig and EngineConfig by `python -m server.cli flag-table --write` -->"
+)
+_TABLE_END = "<!-- end of the generated flag table -->"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+# ----- flags from config fields -----
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+def _config_classes() -> list[tuple[str, type]]:
+    """(argument group, config class) in the order --help and the README list them."""
+    from engine.config import EngineConfig  # with torch: when a parser is built, not when this module is imported
+    from server.config import ServerConfig
+
+    return [("HTTP server", ServerConfig), ("engine", EngineConfig)]
+
+
+def _flag_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    """Each field that is a flag, with its base type (int | None -> int, list[str] -> list). EngineConfig's
+    model is the positional MODEL instead."""
+    hints = typing.get_type_hints(cls)
+    return [(f, _base_type(hints[f.name])) for f in dataclasses.fields(cls) if f.name != "model"]
+
+
+def _base_type(annotation: typing.Any) -> type:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return typing.get_origin(annotation) or annotation
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """How a field's default is told: its metadata's default_help, on/off, none, or the value."""
+    if "default_help" in f.metadata:
+        return f.metadata["default_help"]
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return "none" if f.default is None else str(f.default)
+
+
+def _at_least(kind: type, minimum: int | float) -> Callable[[str], typing.Any]:
+    def parse(text: str):
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, kind: type) -> None:
+    meta = f.metadata
+    kwargs: dict[str, typing.Any] = {"dest": f.name, "default": f.default}
+    if kind is bool:
+        kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+    elif kind is list:
+        if meta.get("repeat"):
+            kwargs["action"] = "append"
+        else:
+            kwargs["nargs"] = "+"
+    else:
+        kwargs["type"] = _at_least(kind, meta["min"]) if "min" in meta else kind
+    for key in ("choices", "metavar"):
+        if key in meta:
+            kwargs[key] = meta[key]
+    action = group.add_argument(_flag(f), **kwargs)
+    # Set afterwards: on Python < 3.14 BooleanOptionalAction appends a "(default: True)" of its own.
+    action.help = f"{meta['help']} (default: {default_text(f)})".replace("%", "%%")
+
+
+def _model_field() -> dataclasses.Field:
+    from engine.config import EngineConfig
+
+    return next(f for f in dataclasses.fields(EngineConfig) if f.name == "model")
+
+
+def _from_args(cls: type, args: argparse.Namespace, **given: typing.Any):
+    """An instance of a config class with every flag field copied from the parsed arguments."""
+    return cls(**{f.name: getattr(args, f.name) for f, _ in _flag_fields(cls)}, **given)
+
+
+# ----- the README's flag table -----
+
+
+def _flag_cell(f: dataclasses.Field, kind: type) -> str:
+    meta = f.metadata
+    if kind is bool and f.default is not False:
+        return f"`{_flag(f)}`, `--no-{_flag(f)[2:]}`"
+    text = _flag(f)
+    if "choices" in meta:
+        text += " {" + ",".join(meta["choices"]) + "}"
+    elif kind is list:
+        text += f" {meta['metavar']}" + ("" if meta.get("repeat") else "...")
+    elif "metavar" in meta:
+        text += f" {meta['metavar']}"
+    return f"`{text}`"
+
+
+def _default_cell(f: dataclasses.Field) -> str:
+    if "default_help" in f.metadata or isinstance(f.default, bool) or f.default is None:
+        return default_text(f)
+    return f"`{f.default}`"
+
+
+def _markdown(text: str) -> str:
+    """Plain text as a table cell shows it: no column breaks, emphasis or HTML tags."""
+    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;")
+
+
+def flag_table() -> str:
+    """README.md's table of `pagoda serve` flags, in markdown, from the same fields as the flags."""
+    model = _model_field()
+    rows = [("`MODEL`, `--model MODEL`", default_text(model), model.metadata["help"])]
+    for _, cls in _config_classes():
+        rows += [(_flag_cell(f, kind), _default_cell(f), f.metadata["help"]) for f, kind in _flag_fields(cls)]
+    lines = ["| flag | default | |", "|---|---|---|"]
+    lines += [f"| {flag} | {_markdown(default)} | {_markdown(help)} |" for flag, default, help in rows]
+    return "\n".join(lines) + "\n"
+
+
+def readme_flag_table(readme: str) -> str | None:
+    """The generated table as README.md holds it (between its markers), or None when the markers are missing."""
+    start, end = readme.find(_TABLE_START), readme.find(_TABLE_END)
+    if start < 0 or end < start:
+        return None
+    return readme[start + len(_TABLE_START) : end].strip("\n") + "\n"
+
+
+def write_flag_table(path: Path = _README) -> None:
+    text = path.read_text()
+    if readme_flag_table(text) is None:
+        raise SystemExit(f"{path} has no flag table markers:\n{_TABLE_START}\n{_TABLE_END}")
+    head, rest = text.split(_TABLE_START, 1)
+    tail = rest.split(_TABLE_END, 1)[1]
+    path.write_text(f"{head}{_TABLE_START}\n{flag_table()}{_TABLE_END}{tail}")
+
+
+def _flag_table_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m server.cli flag-table", description="Print README.md's flag table, or rewrite it in place."
+    )
+    parser.add_argument("--write", nargs="?", const=_README, type=Path, metavar="README", help=f"default {_README}")
+    args = parser.parse_args(argv)
+    if args.write is None:
+        print(flag_table(), end="")
+    else:
+        write_flag_table(args.write)
+        print(f"wrote the flag table into {args.write}")
+    return 0
+
+
+# ----- the parser -----
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,13 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         "them. SIGTERM (or Ctrl-C) stops taking requests, lets the ones in flight finish within "
         "--shutdown-timeout, and exits 0.",
     )
+    model = _model_field()
     serve.add_argument(
         "model",
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="a Hugging Face model directory (config.json, *.safetensors, tokenizer) or the id of a model in "
-        "the local Hugging Face cache; none: the embedded default, SmolLM2-135M-Instruct",
+        help=f"{model.metadata['help']} (default: {default_text(model)})".replace("%", "%%"),
     )
     serve.add_argument(
         "--model",
@@ -58,182 +214,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the same as the positional MODEL (older vLLM spelling)",
     )
-
-    http = serve.add_argument_group("HTTP server")
-    http.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s, every interface)")
-    http.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    http.add_argument(
-        "--api-key",
-        action="append",
-        metavar="KEY",
-        help="require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics; repeat the "
-        "flag to accept several keys, each with its own rate limits (default: $PAGODA_API_KEY; unset: no auth)",
-    )
-    http.add_argument(
-        "--rate-limit-requests-per-minute",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="per client (API key, or address without one): at most N requests a minute, as a token "
-        "bucket; over it, 429 with Retry-After (default: no limit)",
-    )
-    http.add_argument(
-        "--rate-limit-tokens-per-minute",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="per client: at most N tokens a minute, counting prompt + max_tokens of each choice; over it, "
-        "429 with Retry-After (default: no limit)",
-    )
-    http.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model name(s) clients use; the first is the one responses carry "
-        "(default: MODEL as given, or SmolLM2-135M-Instruct)",
-    )
-    http.add_argument(
-        "--max-waiting-requests",
-        type=_non_negative_int,
-        default=None,
-        help="at most this many requests queued without a first token; beyond it requests are answered "
-        "503 with Retry-After (default: unbounded)",
-    )
-    http.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before they are cut (default: %(default)s)",
-    )
-    http.add_argument(
-        "--uvicorn-log-level", default="info", choices=_LOG_LEVELS, help="uvicorn's log level (default: %(default)s)"
-    )
-    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-
-    eng = serve.add_argument_group("engine")
-    eng.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="weight and activation dtype (default: auto, which is bfloat16 on CUDA and float32 on the CPU)",
-    )
-    eng.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda if available (default: auto)")
-    eng.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="auto: the safetensors files; dummy: random weights of the model's architecture, for benchmarks",
-    )
-    eng.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds dummy weights and the sampling of requests that give no seed (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--max-model-len",
-        type=_positive_int,
-        default=None,
-        help="context length: prompt + output tokens (default: the model's)",
-    )
-    eng.add_argument(
-        "--max-num-seqs",
-        type=_positive_int,
-        default=256,
-        help="sequences decoded together, at most (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--max-num-batched-tokens",
-        type=_positive_int,
-        default=8192,
-        help="tokens computed per engine step, at most: prefill chunks + decodes (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts across steps so decodes keep going (default: on)",
-    )
-    eng.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of prompt prefixes seen before (default: on)",
-    )
-    eng.add_argument(
-        "--preemption-mode",
-        default="recompute",
-        choices=["recompute", "swap"],
-        help="when KV blocks run out, drop a sequence's blocks and recompute them later, or swap them to "
-        "CPU memory (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--swap-space",
-        type=float,
-        default=4.0,
-        help="GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton", "flash_attn", "cpu"],
-        help="attention kernels: triton (pagoda's own, the default on CUDA), flash_attn (the flash-attn package "
-        "or vLLM's build of it, when installed), cpu (pagoda's C kernels, built with the system compiler on first "
-        "use: the default on the CPU), torch (plain PyTorch, the reference) (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="never replay CUDA graphs (slower; for debugging)",
-    )
-    eng.add_argument(
-        "--fa4-prefill-min-tokens",
-        type=int,
-        default=2048,
-        help="with the triton backend on Hopper, prompt steps whose longest prompt chunk has at least this many "
-        "tokens attend through flash-attn-4 when it is installed: level at 2k tokens, faster beyond (0: never) "
-        "(default: %(default)s)",
-    )
-    eng.add_argument(
-        "--max-prefill-graph-tokens",
-        type=int,
-        default=1024,
-        help="steps with prompt tokens, up to this many tokens in all, replay CUDA graphs captured in pieces "
-        "between the attention calls (0: never) (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule and launch each step while the previous one still runs on the GPU, so the host's work "
-        "per step overlaps the device's (requests with repetition/presence/frequency penalties wait instead) "
-        "(default: on with CUDA, off on the CPU)",
-    )
-    eng.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=None,
-        help="seconds a request may wait to be scheduled; beyond it, it is answered 503 (default: no limit)",
-    )
-    eng.add_argument(
-        "--block-size", type=_positive_int, default=16, help="tokens per KV-cache block, a power of 2 (default: 16)"
-    )
-    eng.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights, activations and the KV cache (default: %(default)s)",
-    )
-    eng.add_argument(
-        "--num-gpu-blocks-override",
-        type=_positive_int,
-        default=None,
-        help="fix the number of KV-cache blocks instead of sizing the pool from memory (on the CPU: 2 GiB)",
-    )
+    for title, cls in _config_classes():
+        group = serve.add_argument_group(title)
+        for f, kind in _flag_fields(cls):
+            _add_flag(group, f, kind)
     serve.set_defaults(run=serve_command)
-    _add_bench_parser(commands)
+    _add_plugin_commands(commands)
     return parser
+
+
+def _add_plugin_commands(commands) -> None:
+    """The commands of installed packages, from the entry point group pagoda.commands (see the module's docstring)."""
+    from importlib.metadata import entry_points
+
+    seen = set(commands.choices)
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        if entry.name in seen:  # e.g. the same package installed twice on the path
+            continue
+        seen.add(entry.name)
+        try:
+            entry.load()(commands)
+        except Exception as exc:  # a broken plugin must not take `pagoda serve` down with it
+            log.warning("pagoda: the command %r (%s) is unavailable: %s", entry.name, entry.value, exc)
+
+
+# ----- pagoda serve -----
 
 
 def _model_dir(model: str) -> str:
@@ -254,29 +259,13 @@ def _model_dir(model: str) -> str:
 def _engine_config(args: argparse.Namespace, model_dir: str | None):
     from engine.config import EngineConfig
 
-    return EngineConfig(
-        model=model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        queue_timeout=args.queue_timeout,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
-        fa4_prefill_min_tokens=args.fa4_prefill_min_tokens,
-        async_scheduling=args.async_scheduling,
-    )
+    return _from_args(EngineConfig, args, model=model_dir)
+
+
+def _server_config(args: argparse.Namespace):
+    from server.config import ServerConfig
+
+    return _from_args(ServerConfig, args)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -291,9 +280,9 @@ def serve_command(args: argparse.Namespace) -> int:
         raise SystemExit("pagoda serve: give the model once (MODEL or --model)")
     args.model = args.model or args.model_flag
     model_dir = _model_dir(args.model) if args.model else None
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    api_keys = args.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
-    args.api_key_required = bool(api_keys)
+    http = _server_config(args)
+    names = http.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    api_keys = http.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
     try:
         config = _engine_config(args, model_dir)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
@@ -301,8 +290,8 @@ def serve_command(args: argparse.Namespace) -> int:
             names,
             engine.engine.model_dir,
             api_keys,
-            args.max_waiting_requests,
-            RateLimiter(args.rate_limit_requests_per_minute, args.rate_limit_tokens_per_minute),
+            http.max_waiting_requests,
+            RateLimiter(http.rate_limit_requests_per_minute, http.rate_limit_tokens_per_minute),
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
@@ -310,11 +299,11 @@ def serve_command(args: argparse.Namespace) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            host=http.host,
+            port=http.port,
+            log_level=http.uvicorn_log_level,
+            access_log=not http.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=http.shutdown_timeout,
         )
     )
     capacity = engine.engine.block_manager.num_blocks * config.block_size
@@ -323,49 +312,26 @@ def serve_command(args: argparse.Namespace) -> int:
     # (Set only now: until the server runs, the default handlers stop a model load at once.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
-    asyncio.run(_serve(server, names[0], capacity, engine.max_model_len, args))
+    asyncio.run(_serve(server, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
     return 0 if engine.error is None else 1
 
 
-async def _serve(server, name: str, capacity: int, max_model_len: int, args: argparse.Namespace) -> None:
+async def _serve(server, name: str, capacity: int, max_model_len: int, http, api_key_required: bool) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
-        host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+        host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
         log.info(
             "serving %s at http://%s:%d/v1 (KV cache: %d tokens, max_model_len %d%s)",
             name,
             host,
-            args.port,
+            http.port,
             capacity,
             max_model_len,
-            ", API key required" if args.api_key_required else "",
+            ", API key required" if api_key_required else "",
         )
     await task
-
-
-def bench_command(args: argparse.Namespace) -> int:
-    # The benchmark modules parse their own flags (and import their plotting libraries) only when run.
-    if args.benchmark == "throughput":
-        from bench import throughput as module
-    else:
-        from bench import latency as module
-    return module.main(args.bench_args)
-
-
-def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser(
-        "bench",
-        help="benchmarks: offline throughput sweep, online latency under load",
-        description="pagoda bench throughput ...: offline sweep of pagoda (and transformers, vLLM) over batch size x "
-        "input x output length, CSV + PNG. pagoda bench serve ...: drive any OpenAI-compatible server with "
-        "concurrent streams or Poisson arrivals and report TTFT, TPOT, ITL and E2E as vllm bench serve does. "
-        "Each takes --help.",
-    )
-    bench.add_argument("benchmark", choices=["throughput", "serve"])
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
-    bench.set_defaults(run=bench_command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,4 +341,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["flag-table"]:
+        sys.exit(_flag_table_main(sys.argv[2:]))
     sys.exit(main())

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
+from engine.sequence import Request as EngineRequest
 from engine.sequence import RequestOutput
 from server.metrics import Metrics, RequestTracker
 
@@ -41,6 +42,17 @@ class Admission:
     @property
     def full(self) -> bool:
         return self.limit is not None and self.queued >= self.limit
+
+
+def engine_requests(
+    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+) -> list[EngineRequest]:
+    """The engine requests of one HTTP request, one per prompt, each validated (the only check it gets) and
+    none queued: an InvalidParameter for any prompt leaves no other prompt running."""
+    return [
+        engine.new_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params, priority)
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 class _Prompt:
@@ -73,13 +85,11 @@ class Generation:
         self,
         http_request: Request,
         engine: AsyncEngine,
-        request_id: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        priority: int,
+        requests: list[EngineRequest],
         admission: Admission,
         metrics: Metrics,
     ):
+        """Queue `requests` (from engine_requests(), in prompt order) and follow their outputs."""
         self.loop = asyncio.get_running_loop()
         self._engine = engine
         self._admission = admission
@@ -87,17 +97,15 @@ class Generation:
         self._ready: deque[tuple[int, object]] = deque()
         self._waiter: asyncio.Future | None = None
         self._prompts = [
-            _Prompt(
-                self, i, request_id if len(prompts) == 1 else f"{request_id}-{i}", RequestTracker(metrics, params.n)
-            )
-            for i in range(len(prompts))
+            _Prompt(self, i, request.request_id, RequestTracker(metrics, request.params.n))
+            for i, request in enumerate(requests)
         ]
-        self._remaining = len(prompts)
-        admission.queued += len(prompts)
+        self._remaining = len(requests)
+        admission.queued += len(requests)
         self._watcher = asyncio.create_task(self._watch(http_request))
-        for prompt, tokens in zip(self._prompts, prompts, strict=True):
+        for prompt, request in zip(self._prompts, requests, strict=True):
             try:
-                engine.add(prompt.engine_id, tokens, params, prompt, priority)
+                engine.submit(request, prompt)
             except Exception as exc:  # noqa: BLE001 -- told in order, like any error of that request (the engine died)
                 self._arrive(prompt, exc)
 

@@ -242,7 +242,7 @@ def test_async_scheduling_defaults_to_on_for_cuda_only():
 
 
 def test_the_cli_offers_every_attention_backend():
-    """server/cli.py spells the choices out (it imports no torch to print --help): they must stay the engine's."""
+    """The flag's choices come from EngineConfig's field metadata: they must stay the engine's."""
     from engine.attention import BACKENDS
     from engine.config import EngineConfig
     from server.cli import build_parser

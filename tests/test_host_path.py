@@ -9,7 +9,7 @@ from array import array
 import numpy as np
 
 from engine.block_manager import BlockManager
-from engine.llm_engine import frozen_heap
+from engine.llm import frozen_heap
 from engine.runner.step_inputs import new_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq

@@ -21,7 +21,7 @@ from server.protocol import (
     Delta,
 )
 from server.render import ChatChunker, CompletionChunker, Job
-from server.streaming import Admission, Generation, sse_events
+from server.streaming import Admission, Generation, engine_requests, sse_events
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "new\nline\ttab\r\x00\x01\x1f\x7f", "é 漢字 🦀", "\u2028\u2029", "</script>"]
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
@@ -56,7 +56,8 @@ def make(engine: AsyncEngine, client: Client, max_tokens: int, prompts: int = 1)
     metrics = Metrics("m", 64)
     job = Job("cmpl-1", 1, "m", [PROMPT] * prompts, 1, False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    generation = Generation(client.request, engine, job.id, job.prompts, params, 0, Admission(None), metrics)
+    requests = engine_requests(engine, job.id, job.prompts, params, 0)
+    generation = Generation(client.request, engine, requests, Admission(None), metrics)
     return generation, job, metrics
 
 
