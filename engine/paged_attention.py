@@ -112,7 +112,7 @@ def fa4_varlen():
 def fa4_prefill_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether long prompt steps should attend through flash-attn-4 here rather than pagoda's kernels.
 
-    Measured on the H100 (`bench/gpu_check.py kernels`, bench/results/gpu_check-h100-session8.jsonl):
+    Measured on the H100 (`bench/gpu_check.py kernels`, bench/results/2026-11-24-h100-56c346d-gpu-check.jsonl):
     its warp-specialized Hopper forward (one warpgroup's softmax overlapped with another's matmuls,
     which Triton does not produce from prefill_fresh) is 1.19x faster than prefill_fresh at 2 x 8k
     tokens and 1.27x at 1 x 32k, level at 8 x 2k, and slower at 32 x 512; through the block tables
