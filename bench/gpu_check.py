@@ -9,7 +9,8 @@
     python bench/gpu_check.py long-prompt                # TTFT of 4k-32k prompts: flash-attn-4 vs own kernels
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
-(prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set).
+(prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set, else
+bench/results/<date>-<device>-<commit>-gpu-check.jsonl).
 The FlashAttention peer is the build vLLM ships (vllm.vllm_flash_attn, FA3 on Hopper) or the
 flash-attn package, whichever imports; `kernels` adds flash-attn-4 (flash_attn.cute, carried by
 bench/fa4_h100.sh) as a second peer when it imports.
@@ -33,7 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput import random_prompts, ranged_workload  # noqa: E402  (needs ROOT on the path)
+from bench.naming import results_path  # noqa: E402  (needs ROOT on the path)
+from bench.throughput import random_prompts, ranged_workload  # noqa: E402
 
 LLAMA_8B = str(ROOT / "bench/configs/llama3-8b")
 QWEN3_06B = str(ROOT / "bench/configs/qwen3-0.6b")
@@ -989,7 +991,7 @@ def main() -> None:
         args.out = (
             os.path.join(os.environ["OUT"], "gpu_check.jsonl")
             if os.environ.get("OUT")
-            else str(ROOT / "bench/results/gpu_check-h100.jsonl")
+            else str(ROOT / results_path("gpu-check", "cuda"))
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     global ASYNC

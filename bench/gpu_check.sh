@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
 #   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
-# Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log.
+# Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
+# committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-bench/results}
+export OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "$@"; do

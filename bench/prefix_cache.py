@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.naming import results_path
 from engine import LLM, SamplingParams
 
 
@@ -97,7 +98,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--mixed-requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--out", default="bench/results/prefix_cache.jsonl")
+    parser.add_argument(
+        "--out", default=None, help="default: bench/results/<date>-<device>-<commit>-prefix-cache.jsonl"
+    )
     args = parser.parse_args()
     from engine.loader import read_hf_config
 
@@ -123,6 +126,7 @@ def main() -> None:
         gc.collect()  # requests and sequences refer to each other: free the KV pool now
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    args.out = args.out or results_path("prefix-cache", args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:

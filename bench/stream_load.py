@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.naming import results_path
+
 
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     import random
@@ -191,7 +193,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--base-url", default=None, help="a running server; then no server is started")
     parser.add_argument("--skip-engine-alone", action="store_true")
-    parser.add_argument("--out", default=None, help="default: bench/results/stream_load-<device>.jsonl")
+    parser.add_argument("--out", default=None, help="default: bench/results/<date>-<device>-<commit>-stream-load.jsonl")
     args = parser.parse_args()
 
     prompts = random_prompts(args.concurrency, args.input_len)
@@ -223,7 +225,7 @@ def main() -> None:
         command=" ".join(sys.argv),
     )
     print(json.dumps(record, indent=1))
-    out = Path(args.out or Path(__file__).parent / "results" / f"stream_load-{args.device}.jsonl")
+    out = Path(args.out or results_path("stream-load", args.device))
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from bench.cli import require_plotting
+from bench.naming import results_path
 
 DEFAULT_BATCH_SIZES = "1,8,32,64,128,256"
 DEFAULT_INPUT_LENS = "128,512,2048"
@@ -473,7 +474,7 @@ def run_single_point(args: argparse.Namespace, setup: Setup, vocab: int, context
     else:
         prompts, output_lens = random_prompts(num, input_len, vocab, args.seed), [output_len] * num
     setup.max_model_len = max(len(p) + n for p, n in zip(prompts, output_lens))
-    out = Path(args.out or f"bench/results/throughput-{setup.device}.jsonl")
+    out = Path(args.out or results_path("throughput", setup.device))
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in _run_order(args.engines):
         if name == "transformers" and args.len_range:
@@ -578,8 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--batch-sizes", type=_int_list, default=None, help=f"default {DEFAULT_BATCH_SIZES}")
     sweep.add_argument("--input-lens", type=_int_list, default=None, help=f"default {DEFAULT_INPUT_LENS}")
     sweep.add_argument("--output-lens", type=_int_list, default=None, help=f"default {DEFAULT_OUTPUT_LENS}")
-    sweep.add_argument("--csv", default=None, help="default bench/results/sweep-<model>-<device>.csv (overwritten)")
-    sweep.add_argument("--plot-dir", default=None, help="default bench/results/sweep-<model>-<device>/")
+    sweep.add_argument(
+        "--csv", default=None, help="default bench/results/<date>-<device>-<commit>-sweep-<model>.csv (overwritten)"
+    )
+    sweep.add_argument("--plot-dir", default=None, help="default: the CSV's path without .csv")
     sweep.add_argument(
         "--plot-from",
         default=None,
@@ -604,7 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="cProfile pagoda's timed run; write the top functions by own time to FILE",
     )
     single.add_argument(
-        "--out", default=None, help="JSONL to append to (default bench/results/throughput-<device>.jsonl)"
+        "--out",
+        default=None,
+        help="JSONL to append to (default bench/results/<date>-<device>-<commit>-throughput.jsonl)",
     )
     return parser
 
@@ -621,7 +626,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_from or not single:  # both end in plots: say now, not after the sweep, if they cannot be drawn
         require_plotting()
     if args.plot_from:
-        write_plots(read_csv_rows(args.plot_from.split(",")), args.plot_dir or "bench/results/plots")
+        csvs = args.plot_from.split(",")
+        write_plots(read_csv_rows(csvs), args.plot_dir or str(Path(csvs[0]).with_suffix("")))
         return 0
 
     from engine.loader import read_hf_config
@@ -650,11 +656,11 @@ def run(args: argparse.Namespace) -> int:
     args.batch_sizes = args.batch_sizes or _int_list(DEFAULT_BATCH_SIZES)
     args.input_lens = args.input_lens or _int_list(DEFAULT_INPUT_LENS)
     args.output_lens = args.output_lens or _int_list(DEFAULT_OUTPUT_LENS)
-    args.csv = args.csv or f"bench/results/sweep-{model}-{device}.csv"
+    args.csv = args.csv or results_path(f"sweep-{model}", device, "csv")
     max_positions = hf_config.get("max_position_embeddings", 4096)  # pagoda's own default when absent
     rows = run_sweep(args, setup, hf_config["vocab_size"], max_positions, context)
     if rows:
-        write_plots(rows, args.plot_dir or f"bench/results/sweep-{model}-{device}")
+        write_plots(rows, args.plot_dir or str(Path(args.csv).with_suffix("")))
     return 0
 
 

@@ -1,4 +1,4 @@
-# Session-7 H100 calls (nvidia-h100-x1), build 89aff46 (prefill_fresh) copied to .ab/cur (git archive),
+# H100 calls (nvidia-h100-x1), build 89aff46 (prefill_fresh) copied to .ab/cur (git archive),
 # vLLM 0.26.0 staged first on the same warm machine:
 #   run(carry=[".peers", ".vllm_whl/p1", ".ab"]) bash .peers/vllm_h100.sh stage 1; (cd .ab/cur && bash bench/gpu_check.sh quicktests)
 #   run(carry=[".peers", ".vllm_whl/p2"]) bash .peers/vllm_h100.sh stage 2 && bash .peers/vllm_h100.sh install
