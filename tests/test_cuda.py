@@ -94,7 +94,7 @@ def test_dummy_qwen3_bf16_sizes_the_pool_from_gpu_memory():
     )
     engine = llm.engine
     free, total = torch.cuda.mem_get_info()
-    kv_bytes = engine.runner.num_blocks * engine.runner.bytes_per_block
+    kv_bytes = engine.runner.kv_cache.num_blocks * engine.runner.kv_cache.bytes_per_block
     assert kv_bytes > 0.2 * total, "half the GPU minus weights and activations should mostly go to the KV cache"
     assert torch.cuda.memory_allocated() < 0.5 * total
     gen = torch.Generator().manual_seed(0)
