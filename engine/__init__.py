@@ -1,12 +1,29 @@
-"""pagoda's inference engine: a library with no HTTP in it."""
+"""pagoda's inference engine: a library with no HTTP in it.
 
+The names below load on first use, so that importing a light module of the package (engine.config,
+for the command line's flags) does not load torch and the model code.
+"""
+
+import importlib
 import logging
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.sequence import CompletionOutput, RequestOutput, TokenLogprobs
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "InvalidParameter": "engine.sampling_params",
+    "RequestOutput": "engine.sequence",
+    "CompletionOutput": "engine.sequence",
+    "TokenLogprobs": "engine.sequence",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
 
 __all__ = [
     "LLM",

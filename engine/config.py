@@ -14,17 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+# No torch here: `pagoda --help` builds its flags from this module and should not wait for torch to load.
 
-from engine.attention import BACKENDS
-
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+# The dtype names taken, and the torch dtype each stands for.
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+# The attention backends (engine/attention); `auto` picks one for the device.
+BACKENDS = ("torch", "triton", "flash_attn", "cpu")
 
 
 def knob(default: Any, help: str, **metadata: Any) -> Any:
@@ -115,6 +110,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.device == "auto":
+            import torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
@@ -144,5 +141,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])

@@ -138,6 +138,14 @@ def test_pagoda_bench_is_a_plugin_command_loaded_lazily():
     assert out.stdout.strip() == "['bench', 'bench.cli']", out.stdout + out.stderr
 
 
+def test_building_the_flags_loads_no_torch():
+    """`pagoda --help` answers at once: the flags come from engine.config, which loads neither torch nor the
+    model code."""
+    code = "import sys; from server.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("command", ["serve", "throughput"])
 def test_pagoda_bench_help(command):
     pagoda = Path(sys.executable).with_name("pagoda")

@@ -16,8 +16,7 @@ import os
 import torch
 
 from engine.attention.base import Attention, AttentionBackend, AttentionMetadata, QKPrep
-
-BACKENDS = ("torch", "triton", "flash_attn", "cpu")
+from engine.config import BACKENDS
 
 log = logging.getLogger("pagoda.runner")
 
