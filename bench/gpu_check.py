@@ -171,7 +171,9 @@ def _rel_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def mode_kernels(args) -> None:
-    from engine.kernels.attention import paged_decode, paged_prefill, prefill_fresh
+    from engine.kernels.attention import paged_prefill
+    from engine.kernels.decode import paged_decode
+    from engine.kernels.prefill_fresh import prefill_fresh
 
     hbm, mm = measure_peaks()
     peer, peer_name = _flash_peer()
@@ -344,7 +346,7 @@ def mode_kernels(args) -> None:
 def mode_decode_splits(args) -> None:
     """Own decode kernel, CUDA-graph timed, for each split count at the batch x context shapes of
     W1 and W2 (uniform and ragged lengths): which split count each shape wants."""
-    from engine.kernels.attention import decode_num_splits, num_sms, paged_decode
+    from engine.kernels.decode import decode_num_splits, num_sms, paged_decode
 
     hbm, _ = measure_peaks()
     h, kvh, d, bs = 32, 8, 128, 16

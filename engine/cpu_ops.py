@@ -101,7 +101,7 @@ def _library() -> ctypes.CDLL | None:
 
 # (kernel name, dtype) -> its ctypes function, filled by _library(). The wrappers below run ~150 times
 # per decode step, so they look functions up in one dict and skip checks torch would repeat: at batch 16
-# a wrapper's Python cost had been 3-4x the kernel's (33 us around a 7 us RMSNorm).
+# a wrapper that repeats them costs 3-4x the kernel (33 us around a 7 us RMSNorm).
 _FUNCTIONS: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
 
 

@@ -17,14 +17,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from engine.kernels.attention import (
-    MAX_DECODE_SPLITS,
-    decode_num_splits,
-    fresh_prefill_fits,
-    paged_decode,
-    paged_prefill,
-    prefill_fresh,
-)
+from engine.kernels.attention import paged_prefill
+from engine.kernels.decode import MAX_DECODE_SPLITS, decode_num_splits, paged_decode
+from engine.kernels.prefill_fresh import fresh_prefill_fits, prefill_fresh
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
 from tests.conftest import NEEDS_FA4, fa4_on_hopper
 

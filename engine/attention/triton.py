@@ -25,27 +25,28 @@ class TritonBackend(AttentionBackend):
     warmup_prompt_lens = ((9, 8),)
 
     def __init__(self, device: torch.device):
-        from engine.kernels import attention
+        # Triton loads here, not at import: the CPU builds of torch come without it.
+        from engine.kernels import attention, decode, prefill_fresh, qkv_store
 
-        self.kernels = attention
+        self.store = qkv_store.prepare_and_store
+        self.paged_prefill, self.paged_decode = attention.paged_prefill, decode.paged_decode
+        self.fresh_fits, self.prefill_fresh = prefill_fresh.fresh_prefill_fits, prefill_fresh.prefill_fresh
+        self.decode_num_splits = decode.decode_num_splits
         self.ops = triton_ops_table()
         # The decode split count aims at a number of programs per SM of this device.
-        self.num_sms = attention.num_sms(device)
+        self.num_sms = decode.num_sms(device)
 
     def write_kv(self, layer, q, k, v, meta, prep):
-        from engine.kernels.qkv_store import prepare_and_store
-
         rope = {} if prep is None else dict(positions=prep.positions, cos=prep.rotary.cos, sin=prep.rotary.sin)
         if prep is not None and prep.q_norm is not None:
             rope.update(q_norm=prep.q_norm.weight, k_norm=prep.k_norm.weight, eps=prep.q_norm.eps)
-        prepare_and_store(q, k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, **rope)  # q, k in place
+        self.store(q, k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, **rope)  # q, k in place
         return q, k
 
     def prefill(self, layer, q, k, v, meta: AttentionMetadata, out):
-        kernels = self.kernels
-        if meta.fresh and kernels.fresh_prefill_fits(q, k, v):
-            return kernels.prefill_fresh(q, k, v, meta.query_start_tensor, layer.scale, meta.max_query_len, out=out)
-        return kernels.paged_prefill(
+        if meta.fresh and self.fresh_fits(q, k, v):
+            return self.prefill_fresh(q, k, v, meta.query_start_tensor, layer.scale, meta.max_query_len, out=out)
+        return self.paged_prefill(
             q,
             layer.k_cache,
             layer.v_cache,
@@ -58,9 +59,8 @@ class TritonBackend(AttentionBackend):
         )
 
     def decode(self, layer, q, meta, out):
-        kernels = self.kernels
-        splits = kernels.decode_num_splits(q.shape[0], layer.num_kv_heads, self.num_sms)
-        return kernels.paged_decode(
+        splits = self.decode_num_splits(q.shape[0], layer.num_kv_heads, self.num_sms)
+        return self.paged_decode(
             q,
             layer.k_cache,
             layer.v_cache,

@@ -1,0 +1,240 @@
+"""Split-KV (flash-decoding) paged attention in Triton: one query per sequence against its cached keys.
+
+Program (sequence, KV head, split) runs the G query heads of a KV head over one chunk of keys read
+through the block table (the tile loop of attention.py); a reduce kernel merges the splits by their
+log-sum-exp. The split count comes from shapes and the device's SM count only, so a launch needs no
+host sync and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.attention import _LOG2E, _attend_keys, _check_inputs, _precision
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Each split takes a contiguous chunk, a whole number of key tiles, decided here from the
+    # device-side length so the launch needs no host sync (CUDA-graph capturable). Splits past
+    # the end get no keys and report lse = -inf.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    head = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_offs = seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc, m_i, l_i = _attend_keys(
+        acc,
+        m_i,
+        l_i,
+        q,
+        rows,
+        k_ptr,
+        v_ptr,
+        bt_ptr + seq * stride_bt,
+        kvh,
+        lo,
+        hi,
+        qk_scale,
+        stride_b,
+        stride_s,
+        stride_h,
+        d,
+        d_ok,
+        BLOCK_SIZE,
+        BLOCK_N,
+        False,
+        True,
+        PRECISION,
+    )
+    # An empty split (or a zero-length padding sequence) has l_i == 0: write zeros, not NaN.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    store_ok = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_offs = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        # Scratch is [S, H, NUM_SPLITS, HEAD_DIM] and [S, H, NUM_SPLITS]; lse is in log2 units.
+        part = (seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=store_ok)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    total = tl.sum(weight, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    # Empty splits wrote zeros with weight exp2(-inf) = 0, so they drop out of the sum.
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    o = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    o_offs = seq.to(tl.int64) * stride_os + head * stride_oh + d
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# Decode programs to aim for per SM when choosing the split count.
+DECODE_PROGRAMS_PER_SM = 2
+
+
+# At most this many splits: one sequence x 8 KV heads at long context wants ~33 (two programs per
+# SM); with 16 its 128 programs each streamed 2k keys of a 32k context at 59% of HBM.
+MAX_DECODE_SPLITS = 64
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV splits for decode, from shapes only: about DECODE_PROGRAMS_PER_SM programs per SM.
+
+    Short contexts leave most of a large split count empty (a split holds whole 64-key tiles and
+    the empty ones only write a zero partial), so the count need not know the context."""
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence, q [S, H, D], against keys 0..seq_lens[s]-1 -> [S, H, D].
+
+    Split-KV (flash-decoding): program (s, kv head, split) runs all G query heads of the KV head
+    over one chunk of keys; a reduce kernel merges the splits by their log-sum-exp. No host sync,
+    grid from shapes only, so the call can be captured in a CUDA graph.
+    """
+    out = torch.empty_like(q) if out is None else out
+    _check_inputs(q, k_cache, v_cache, out)
+    num_seqs, heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_seqs == 0:
+        return out
+    group = heads // kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, kv_heads, num_sms(q.device))
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: the kernel writes straight to out
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        # tl.dot needs at least 16 rows; the padding rows are masked.
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        PRECISION=_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
