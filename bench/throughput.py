@@ -165,7 +165,7 @@ class TransformersEngine:
         from engine.config import DTYPES
 
         s = self.setup
-        dtype = DTYPES[s.dtype]
+        dtype = getattr(torch, DTYPES[s.dtype])
         if s.load_format == "dummy":
             with torch.device(s.device):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(s.model_dir), dtype=dtype)
