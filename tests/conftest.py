@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture."""
+"""Shared fixtures: tiny random Hugging Face checkpoints of each supported architecture, the default model,
+and one `pagoda serve` process for the modules that need a plain server."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# Idle OpenMP workers (torch's libgomp) spin some tens of microseconds (3,000 rounds, not libgomp's 300,000)
+# before they sleep. libgomp reads this when torch loads it, so it is set before the import below; the
+# server processes the tests start inherit it. When another process shares the two cores, spinning
+# workers take the core that a worker of the same parallel op still has to run on, and every small op
+# of the engine waits out scheduler time slices: CPU-bound tests ran 5-20x slower than on an idle
+# machine (about 2x with this setting). On an idle machine it costs nothing measurable.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+
+import torch  # noqa: E402
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +74,12 @@ def _tiny_configs():
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
+# The KV pool budget (EngineConfig.cpu_kv_cache_bytes) for CPU engines whose requests need a few thousand
+# tokens of cache at most. The default, 2 GiB, is zeroed at start: 0.4 s to 3 s an engine on a 2-core VM,
+# and the suite starts dozens. This still sizes the pool from bytes, as the default does, and still holds
+# the default model's whole 8192-token context (728 blocks, 11,648 tokens; the tiny models get far more).
+KV_BYTES = 512 << 20
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
@@ -95,3 +111,14 @@ def default_model_dir():
     from engine.default_model import default_model_dir as locate
 
     return locate()
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """`pagoda serve` of the default model with tests/test_server.py's SERVER_FLAGS, started once for the
+    modules that need a plain server (test_server, test_bench_latency, test_docker); SIGTERM exits 0 at the end."""
+    from tests.test_server import SERVER_FLAGS, start_server
+
+    srv = start_server(tmp_path_factory.mktemp("server"), *SERVER_FLAGS)
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]

@@ -8,14 +8,28 @@ import pytest
 
 from engine import LLM, EngineConfig, InvalidParameter, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
+from tests.conftest import KV_BYTES
 
 
-@pytest.fixture
-def async_engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu"))
+def started_engine(tiny_model_dir):
+    engine = AsyncEngine(
+        EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES)
+    )
     engine.start()
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model_dir):
+    """One engine for the module's tests: each leaves it idle with every block free."""
+    yield from started_engine(tiny_model_dir)
+
+
+@pytest.fixture
+def own_async_engine(tiny_model_dir):
+    """A fresh engine, for a test that shuts it down."""
+    yield from started_engine(tiny_model_dir)
 
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams):
@@ -31,7 +45,9 @@ def test_concurrent_streams_equal_offline_greedy(async_engine, tiny_model_dir):
         return await asyncio.gather(*(collect(async_engine, f"r{i}", p, params) for i, p in enumerate(prompts)))
 
     streams = asyncio.run(main())
-    offline = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    offline = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES).generate(
+        prompts, params, use_tqdm=False
+    )
     for outs, ref in zip(streams, offline):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         lengths = [len(o.outputs[0].token_ids) for o in outs]
@@ -67,7 +83,9 @@ def test_invalid_request_raises_before_queueing(async_engine):
     assert async_engine.is_alive
 
 
-def test_shutdown_ends_in_flight_streams_with_an_error(async_engine):
+def test_shutdown_ends_in_flight_streams_with_an_error(own_async_engine):
+    async_engine = own_async_engine
+
     async def main():
         stream = async_engine.generate("long", list(range(1, 10)), SamplingParams(max_tokens=200, ignore_eos=True))
         first = await stream.__anext__()

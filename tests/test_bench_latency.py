@@ -24,17 +24,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(
-        tmp_path_factory.mktemp("bench-server"),
-        "--max-model-len",
-        "512",
-        "--num-gpu-blocks-override",
-        "128",
-        "--disable-uvicorn-access-log",
-    )
-    yield srv
-    srv.stop()
+def server(default_server):
+    # The suite's shared `pagoda serve` (tests/conftest.py); the client's requests all finish before a test returns.
+    return default_server
 
 
 def run(tmp_path, *argv: str, name: str = "result.json") -> tuple[int, dict]:

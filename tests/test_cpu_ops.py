@@ -17,6 +17,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.ops import torch_silu_and_mul as silu_and_mul
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
+from tests.conftest import KV_BYTES
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler here to build engine/csrc/cpu_ops.c")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -194,7 +195,14 @@ def test_engine_cpu_backend_greedy_equals_the_torch_backend(default_model_dir):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17)]
     tokens = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(str(default_model_dir), dtype="float32", device="cpu", attention_backend=backend, max_model_len=256)
+        llm = LLM(
+            str(default_model_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            max_model_len=256,
+            cpu_kv_cache_bytes=KV_BYTES,
+        )
         assert llm.engine.runner.backend.name == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["cpu"] == tokens["torch"]

@@ -24,7 +24,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.cli import build_parser
-from tests.test_server import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -154,18 +153,15 @@ def test_dockerignore_keeps_the_context_small_but_complete():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("docker"), "--max-model-len", "512", "--num-gpu-blocks-override", "64")
-    try:
-        reply = httpx.post(
-            f"{srv.url}/v1/completions",
-            timeout=120,
-            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4},
-        )
-        assert reply.status_code == 200, reply.text
-        yield srv
-    finally:
-        srv.stop()
+def server(default_server):
+    srv = default_server  # the suite's shared `pagoda serve` (tests/conftest.py)
+    reply = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=120,
+        json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4},
+    )
+    assert reply.status_code == 200, reply.text
+    return srv
 
 
 def test_entrypoint_is_the_command_tests_start(server):

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from engine import LLM, InvalidParameter, SamplingParams
+from tests.conftest import KV_BYTES
 
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512)
+    return LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return LLM(str(tiny_model_dir("qwen3")), dtype="float32", device="cpu")
+    return LLM(str(tiny_model_dir("qwen3")), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES)
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -30,7 +31,9 @@ def test_seeded_requests_reproduce_whatever_the_batch(tiny):
     noise = SamplingParams(temperature=0.7, seed=None, max_tokens=30, ignore_eos=True)
     mixed = tiny.generate(others[:1] + [prompt] + others[1:], [noise, target, noise, noise], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone
-    chunked = LLM(tiny.engine.model_dir, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    chunked = LLM(
+        tiny.engine.model_dir, dtype="float32", device="cpu", max_num_batched_tokens=16, cpu_kv_cache_bytes=KV_BYTES
+    )
     again = chunked.generate(others + [prompt], [noise] * 3 + [target], use_tqdm=False)[3]
     assert again.outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=43, max_tokens=24, ignore_eos=True)
@@ -143,7 +146,9 @@ def test_requests_that_cannot_fit_are_rejected_with_the_param(smol):
 
 
 def test_max_tokens_none_runs_to_the_context_length(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_model_len=40)
+    llm = LLM(
+        str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_model_len=40, cpu_kv_cache_bytes=KV_BYTES
+    )
     out = llm.generate([[1] * 30], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
@@ -159,7 +164,7 @@ def test_abort_frees_blocks(tiny):
 
 
 def test_higher_priority_requests_finish_first_under_contention(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=2)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=2, cpu_kv_cache_bytes=KV_BYTES)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     priorities = [3, 2, 1, 0, 3, 2, 1, 0]
@@ -173,7 +178,7 @@ def test_higher_priority_requests_finish_first_under_contention(tiny_model_dir):
 
 
 def test_a_request_queued_past_its_timeout_finishes_with_timeout(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=1)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=1, cpu_kv_cache_bytes=KV_BYTES)
     engine = llm.engine
     engine.add_request("busy", list(range(1, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request("late", list(range(1, 10)), SamplingParams(max_tokens=5, n=1), queue_timeout=0.0)
@@ -198,6 +203,7 @@ def test_async_scheduling_gives_the_same_outputs(default_model_dir):
             max_model_len=512,
             async_scheduling=a,
             max_num_batched_tokens=64,
+            cpu_kv_cache_bytes=KV_BYTES,
         )
         for a in (False, True)
     ]
@@ -268,7 +274,7 @@ def test_fa4_prompt_route_is_off_where_it_does_not_apply(tiny_model_dir):
 
     backend = select_backend("triton", torch.device("cpu"), torch.float32, 16, 64, 16, 8192)
     assert backend.name == "triton"
-    llm = LLM(str(tiny_model_dir("llama")), device="cpu", fa4_prefill_min_tokens=16)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", fa4_prefill_min_tokens=16, cpu_kv_cache_bytes=KV_BYTES)
     runner = llm.engine.runner
     assert runner.backend.name == "cpu"
     assert all(attn.backend is runner.backend for attn in runner.model.attention_layers())

@@ -7,6 +7,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sequence import Request, Sequence
+from tests.conftest import KV_BYTES
 
 
 def shared_prefix_prompts(seed: int = 3) -> list[list[int]]:
@@ -17,7 +18,7 @@ def shared_prefix_prompts(seed: int = 3) -> list[list[int]]:
 
 
 def run(model_dir: str, prompts, params, **kwargs) -> tuple[list, LLM]:
-    llm = LLM(model_dir, dtype="float32", device="cpu", **kwargs)
+    llm = LLM(model_dir, dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, **kwargs)
     outs = []
     for p, sp in zip(prompts, params):  # one after another, so later ones can hit earlier ones' blocks
         outs.append(llm.generate([p], sp, use_tqdm=False)[0])
@@ -46,7 +47,7 @@ def test_outputs_equal_with_and_without_prefix_caching(tiny_model_dir):
 
 
 def test_default_model_outputs_equal_with_and_without_prefix_caching(default_model_dir):
-    llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512)
+    llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, cpu_kv_cache_bytes=KV_BYTES)
     tok = llm.tokenizer
     system = (
         "You are a terse assistant who answers in one short sentence. Never use lists, never use "
@@ -62,7 +63,12 @@ def test_default_model_outputs_equal_with_and_without_prefix_caching(default_mod
     assert common >= 32
     assert llm.engine.block_manager.prefix_hit_tokens == 2 * (common // 16) * 16
     plain_llm = LLM(
-        str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False
+        str(default_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=512,
+        enable_prefix_caching=False,
+        cpu_kv_cache_bytes=KV_BYTES,
     )
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
     assert cached == plain
@@ -112,7 +118,13 @@ def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
 
 
 def test_simultaneous_requests_compute_a_shared_prefix_once(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_batched_tokens=512)
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        device="cpu",
+        max_num_batched_tokens=512,
+        cpu_kv_cache_bytes=KV_BYTES,
+    )
     engine = llm.engine
     system = list(range(1, 49))  # 3 full blocks
     prompts = [system + [100 + i, 200 + i, 300 + i] for i in range(8)]

@@ -186,6 +186,7 @@ def test_freeing_twice_is_caught():
         bm.free(seq)
 
 
+@pytest.mark.slow  # a soak: 3 x 1000 requests through a tiny pool
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_thousand_requests_with_aborts_priorities_and_a_tiny_pool(engine_factory, seed):

@@ -106,21 +106,24 @@ def wait_for_metric(url: str, name: str, want, timeout: float = 15.0) -> dict:
 # ----- fixtures -----
 
 
+# The flags of the suite's shared server (the `default_server` fixture in tests/conftest.py, also used by
+# test_bench_latency.py and test_docker.py): one start for the three modules.
+SERVER_FLAGS = (
+    "--max-model-len",
+    "1024",
+    "--num-gpu-blocks-override",
+    "512",
+    "--served-model-name",
+    MODEL,
+    ALIAS,
+    "--disable-uvicorn-access-log",
+)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(
-        tmp_path_factory.mktemp("server"),
-        "--max-model-len",
-        "1024",
-        "--num-gpu-blocks-override",
-        "512",
-        "--served-model-name",
-        MODEL,
-        ALIAS,
-        "--disable-uvicorn-access-log",
-    )
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(default_server):
+    # Shared: every test here reads metrics as differences and leaves the server idle.
+    return default_server
 
 
 @pytest.fixture(scope="module")

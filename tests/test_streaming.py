@@ -22,17 +22,33 @@ from server.protocol import (
 )
 from server.render import ChatChunker, CompletionChunker, Job
 from server.streaming import Admission, Generation, engine_requests, sse_events
+from tests.conftest import KV_BYTES
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "new\nline\ttab\r\x00\x01\x1f\x7f", "é 漢字 🦀", "\u2028\u2029", "</script>"]
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
-@pytest.fixture
-def async_engine(default_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu", max_model_len=512))
+def started_engine(default_model_dir):
+    engine = AsyncEngine(
+        EngineConfig(
+            model=str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, cpu_kv_cache_bytes=KV_BYTES
+        )
+    )
     engine.start()
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_engine(default_model_dir):
+    """One engine for the module's tests: each leaves it idle with every block free."""
+    yield from started_engine(default_model_dir)
+
+
+@pytest.fixture
+def own_async_engine(default_model_dir):
+    """A fresh engine, for a test that shuts it down."""
+    yield from started_engine(default_model_dir)
 
 
 class Client:
@@ -85,7 +101,7 @@ def test_outputs_queued_together_are_one_write_with_every_token_once_in_order(as
     assert got[-1] == "data: [DONE]"
     deltas = [e for e in got[:-1] if e["choices"]]
     ref = (
-        LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512)
+        LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=512, cpu_kv_cache_bytes=KV_BYTES)
         .generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
         .outputs[0]
     )
@@ -131,7 +147,9 @@ def test_disconnect_aborts_the_unfinished_request_and_ends_the_stream(async_engi
     assert aborted == 1
 
 
-def test_an_engine_that_stops_is_told_after_the_outputs_before_it(async_engine):
+def test_an_engine_that_stops_is_told_after_the_outputs_before_it(own_async_engine):
+    async_engine = own_async_engine
+
     async def main():
         generation, _, _ = make(async_engine, Client(), 200)
         await wait_ready(generation, 2)
