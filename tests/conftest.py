@@ -12,8 +12,8 @@ import pytest
 # before they sleep. libgomp reads this when torch loads it, so it is set before the import below; the
 # server processes the tests start inherit it. When another process shares the two cores, spinning
 # workers take the core that a worker of the same parallel op still has to run on, and every small op
-# of the engine waits out scheduler time slices: CPU-bound tests ran 5-20x slower than on an idle
-# machine (about 2x with this setting). On an idle machine it costs nothing measurable.
+# of the engine waits out scheduler time slices: the engine tests ran 4.4x slower next to a busy torch
+# process than on an idle machine, 2x with this setting. On an idle machine it costs nothing measurable.
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import torch  # noqa: E402
