@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, into
 from engine.attention.triton import TritonBackend
 
 
@@ -91,7 +91,7 @@ class FlashAttnBackend(TritonBackend):
             )
         else:
             result = self.varlen(q, layer.k_cache, layer.v_cache, cu_seqlens_k=meta.plan, **kwargs)
-        return result if out is None else out.copy_(result)
+        return into(out, result)
 
     def decode(self, layer, q, meta, out):
         return self.prefill(layer, q, None, None, meta, out)
@@ -113,7 +113,7 @@ class TritonFa4Backend(TritonBackend):
         if meta.max_query_len < self.min_tokens:
             return super().prefill(layer, q, k, v, meta, out)
         result = fa4_prefill(layer, q, k, v, meta)
-        return result if out is None else out.copy_(result)
+        return into(out, result)
 
 
 def fa4_prefill(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
