@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from engine.structured import Grammars, StepMask
 
 log = logging.getLogger("pagoda.engine")
 
@@ -104,6 +106,10 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.in_flight: _Step | None = None  # launched, tokens not read yet (async scheduling)
+        # Structured outputs: the forward after in_flight, enqueued before in_flight's tokens are read.
+        self.prelaunched: _Step | None = None
+        self._grammars: Grammars | None = None  # made on the first constrained request
+        self._grammars_lock = threading.Lock()
         self.last_step: StepStats | None = None
 
     def _resolve_max_model_len(self, mc) -> int:
@@ -154,6 +160,8 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         self.check_request(token_ids, params)
         request = Request(request_id, text, token_ids, params, priority=priority)
+        if params.constraint is not None:
+            request.grammar = self.compile_constraint(params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         timeout = queue_timeout if queue_timeout is not None else self.config.queue_timeout
@@ -195,6 +203,26 @@ class LLMEngine:
         if bad_bias is not None:
             raise InvalidParameter("logit_bias", f"logit_bias token id {bad_bias} is outside the vocabulary")
 
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler, made on first use (xgrammar reads the whole vocabulary once)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidParameter("structured_outputs", "structured outputs need a model with a tokenizer")
+                start = time.perf_counter()
+                self._grammars = Grammars(
+                    self.tokenizer.hf, self.runner.vocab_size, self.eos_token_ids, self.config.max_num_seqs
+                )
+                log.info("structured outputs (xgrammar) ready in %.2f s", time.perf_counter() - start)
+            return self._grammars
+
+    def compile_constraint(self, params: SamplingParams):
+        """The compiled grammar of params.constraint; raises InvalidParameter naming the request field
+        when it cannot be compiled. Thread-safe and cached by spec: the server calls it off the event
+        loop before new_request(), which then finds the grammar in the cache."""
+        return self.grammars.compile(params.constraint)
+
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         seed = request.params.seed
         # A seeded request's i-th child uses seed + i, so n > 1 outputs differ but stay reproducible.
@@ -212,6 +240,8 @@ class LLMEngine:
                 stop=request.params.stop,
                 include_stop_str_in_output=request.params.include_stop_str_in_output,
             )
+        if request.grammar is not None:
+            seq.matcher = self.grammars.matcher(request.grammar)
         request.seqs.append(seq)
         return seq
 
@@ -242,8 +272,20 @@ class LLMEngine:
                 self.last_step = self._with_occupancy(StepStats())
                 return outputs
         done = self.in_flight
-        self.in_flight = self._launch(done) if self._can_overlap() else None
-        return outputs + self._complete(done)
+        if self.prelaunched is not None:
+            self.in_flight, self.prelaunched = self.prelaunched, None
+        else:
+            self.in_flight = self._launch(done) if self._can_overlap() else None
+        outputs += self._complete(done)
+        nxt = self.in_flight
+        if nxt is not None and nxt.launched.logits is not None:
+            # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The
+            # forward after it is enqueued at once, so the device goes from this sampling straight into
+            # it instead of waiting for the next call to schedule it.
+            self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
+            if self._can_overlap():
+                self.prelaunched = self._launch(nxt)
+        return outputs
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight returns its tokens:
@@ -270,7 +312,18 @@ class LLMEngine:
                 continue
             sampling.append((item.seq, row))
             sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
-        launched = self.runner.launch(sched.scheduled, sampling, previous.launched if previous else None)
+        # A constrained row's mask needs every token before the one it samples: when one of them is
+        # still being sampled by the step in flight, the forward is enqueued now and the sampling
+        # once that step's tokens are read.
+        constrained = self._grammars is not None and any(seq.matcher is not None for seq, _ in sampling)
+        defer = constrained and any(seq.matcher is not None and seq.num_pending for seq, _ in sampling)
+        launched = self.runner.launch(
+            sched.scheduled,
+            sampling,
+            previous.launched if previous else None,
+            mask=self._mask(sampling) if constrained and not defer else None,
+            defer_sampling=defer,
+        )
         plan = self.scheduler.launched(sched, sampling)
         stats = StepStats(
             num_batched_tokens=sched.num_batched_tokens,
@@ -282,6 +335,13 @@ class LLMEngine:
             prefix_hit_tokens=bm.prefix_hit_tokens - hits,
         )
         return _Step(plan, launched, stats)
+
+    def _mask(self, sampling: list[tuple[Sequence, int]]) -> StepMask | None:
+        """The grammar bitmask of a step's constrained sampling rows (None if it has none)."""
+        if self._grammars is None:
+            return None
+        matchers = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
+        return self._grammars.fill(matchers) if matchers else None
 
     def _complete(self, step: _Step) -> list[RequestOutput]:
         """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""

@@ -9,7 +9,8 @@ Processing order for each row (all in float32):
    divided by the penalty, a negative one multiplied.
 4. presence_penalty / frequency_penalty (OpenAI semantics) over output tokens only:
    logit -= presence * (count > 0) + frequency * count.
-5. Greedy rows (temperature ~ 0) take the argmax here. The other rows go on:
+5. Structured outputs: a token the row's grammar does not allow gets -inf (engine/structured.py).
+   Greedy rows (temperature ~ 0) take the argmax here. The other rows go on:
 6. temperature: logits / T.
 7. top-k, then top-p on what top-k kept, then min-p (the Hugging Face warper order). Each keeps
    the tokens whose logit is >= a per-row cutoff, so a token tied with a kept one is kept too;
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StepMask, apply_mask
 
 _MASK64 = (1 << 64) - 1
 
@@ -198,10 +200,13 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, >= vocab_size] (any float dtype)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], mask: StepMask | None = None) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, >= vocab_size] (any float dtype), each constrained
+        row (`mask`) among the tokens its grammar allows."""
         step = self._upload(rows)
         x = self._process(logits, step)
+        if mask is not None:
+            apply_mask(x, mask)
         random = step.random
         if random is None:
             token_ids = x.argmax(dim=-1)

@@ -16,6 +16,28 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+# What a Constraint can hold its output to (engine/structured.py compiles each).
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint: the output must match `spec`, read as `kind`.
+
+    json: a JSON schema (JSON text); json_object: any JSON object (spec unused); regex: a regular
+    expression; choice: a JSON list of strings, one of which is the whole output; grammar: an EBNF
+    (GBNF) or Lark grammar; structural_tag: xgrammar's structural tag (JSON text).
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"  # the request field it came from, for error messages
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidParameter(self.param, f"unknown structured output kind {self.kind!r}")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -39,6 +61,7 @@ class SamplingParams:
     # "cumulative": an output every step that changed the request; "final_only": only the finished
     # one (offline generation, where building a snapshot per token per step is wasted host time).
     output_kind: str = "cumulative"
+    constraint: Constraint | None = None  # structured outputs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

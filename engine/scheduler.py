@@ -13,11 +13,14 @@ before any waiting one is admitted.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
+
+log = logging.getLogger("pagoda.scheduler")
 
 
 @dataclass
@@ -329,6 +332,9 @@ class Scheduler:
     def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
         """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""
         params = seq.request.params
+        if not self._grammar_accepts(seq, token):
+            self._stop(seq, "stop", None)  # the token is dropped with its placeholder
+            return
         if slot < len(seq.token_ids):
             seq.token_ids[slot] = token
             seq.num_pending -= 1
@@ -345,6 +351,17 @@ class Scheduler:
             self._stop(seq, "stop", seq.detokenizer.stop_string)
         elif self.ends_by_length(seq, slot + 1):
             self._stop(seq, "length", None)
+
+    @staticmethod
+    def _grammar_accepts(seq: Sequence, token: int) -> bool:
+        """Advance a constrained sequence's matcher by its new token. The mask allowed only tokens the
+        grammar accepts, so a refusal means no allowed token was left (the grammar and min_tokens
+        both banned every one); the sequence then ends where it is."""
+        matcher = seq.matcher
+        if matcher is None or matcher.is_terminated() or matcher.accept_token(token):
+            return True
+        log.warning("request %s: token %d breaks its grammar; ending the output", seq.request.request_id, token)
+        return False
 
     @staticmethod
     def _detokenize(seq: Sequence, token: int) -> bool:

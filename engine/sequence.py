@@ -49,6 +49,7 @@ class Sequence:
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer, created when the model has a tokenizer
+    matcher: object | None = None  # xgrammar GrammarMatcher of a constrained request (engine/structured.py)
     num_preemptions: int = 0
     num_pending: int = 0  # trailing token_ids that are PLACEHOLDERs: sampled on the device, not read yet
 
@@ -106,6 +107,7 @@ class Request:
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     queue_deadline: float | None = None  # finish with "timeout" if not scheduled by then
+    grammar: object | None = None  # the compiled params.constraint (xgrammar CompiledGrammar)
     first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -37,14 +37,29 @@ class Tokenizer:
         # so streamed text could never add up to the full decode.
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt token ids for a chat, rendered by the model's own template."""
-        if not self.hf.chat_template:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs,
+    ) -> list[int]:
+        """The prompt token ids for a chat, rendered by the model's own template (or `chat_template`),
+        with `tools` and any extra variables the template reads (e.g. enable_thinking)."""
+        if not (chat_template or self.hf.chat_template):
             raise ValueError(
                 "this model has no chat template (none in its tokenizer files); "
                 "use the completions API with a plain prompt instead"
             )
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.hf.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            tools=tools,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
         # The template writes every special token itself (BOS included); adding them again would double them.
         return self.encode(text, add_special_tokens=False)
 

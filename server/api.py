@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
+from server.chat import ChatOptions, OutputParser, plan_tools, template_messages, with_defaults
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -58,6 +59,7 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)  # empty: no auth
     max_waiting_requests: int | None = None  # None: unbounded
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # default: no limits
+    chat: ChatOptions = field(default_factory=ChatOptions)  # tools, reasoning, template, generation defaults
 
 
 class APIError(Exception):
@@ -194,6 +196,8 @@ class _Server:
         # streams. One thread is enough: a prompt takes a millisecond or so, and more threads would
         # only compete with the engine for the cores.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
+        # Grammar compiles: a complex schema can take a second; xgrammar runs its own threads inside.
+        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
         self.created = int(time.time())
 
     async def in_thread(self, fn, *args) -> Any:
@@ -241,39 +245,36 @@ class _Server:
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
         """The templated prompt's token ids (call it in the tokenizer thread)."""
-        conversation = []
-        for i, message in enumerate(messages):
-            role = message.role
-            if role not in ("system", "developer", "user", "assistant"):
-                raise APIError(
-                    400,
-                    f"messages[{i}].role '{role}' is not supported (tool calling is not implemented)",
-                    param=f"messages[{i}].role",
-                )
-            if isinstance(message.content, str):
-                text = message.content
-            else:
-                for j, part in enumerate(message.content):
-                    if part.type != "text":
-                        raise APIError(
-                            400,
-                            f"content part type '{part.type}' is not supported: only text",
-                            param=f"messages[{i}].content[{j}].type",
-                        )
-                    if part.text is None:
-                        raise APIError(
-                            400, "a text content part needs its text", param=f"messages[{i}].content[{j}].text"
-                        )
-                # Several text parts are one message; a newline keeps their words apart (as vLLM joins them).
-                text = "\n".join(part.text for part in message.content)
-            # OpenAI's newer name for the system role; chat templates know only "system".
-            conversation.append({"role": "system" if role == "developer" else role, "content": text})
+        conversation = template_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        except (jinja2.TemplateError, ValueError) as exc:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=self.settings.chat.chat_template,
+                **(template_kwargs or {}),
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    def ends_in_reasoning(self, prompt: list[int]) -> bool:
+        """Whether the rendered prompt leaves a <think> block open (the template opened it)."""
+        return self.tokenizer.decode(prompt[-4:], skip_special_tokens=False).rstrip().endswith("<think>")
+
+    async def compile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar before it is queued (the engine then finds it cached): off the
+        event loop and the tokenizer thread, so a slow schema delays only its own request."""
+        if params.constraint is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.grammar_pool, self.engine.engine.compile_constraint, params)
 
     def text_prompts(self, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
         """Completions' prompt in any of its four shapes, as token id lists (call it in the tokenizer thread)."""
@@ -308,6 +309,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         # After uvicorn has drained the in-flight requests (or given up waiting).
         await asyncio.to_thread(engine.shutdown)
         server.tokenize_pool.shutdown(wait=False)
+        server.grammar_pool.shutdown(wait=False)
 
     app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan)
     app.add_middleware(CatchAllMiddleware)
@@ -364,7 +366,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = await server.in_thread(server.chat_prompt, body.messages, body.add_generation_prompt)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            tokens = await server.in_thread(
+                server.chat_prompt, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+            )
         else:
             tokens = await server.in_thread(server.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
@@ -385,12 +390,28 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _reject_unsupported(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        body = with_defaults(body, settings.chat.generation_defaults)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:
-            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-            prompt = await server.in_thread(server.chat_prompt, body.messages)
+            plan = plan_tools(body, settings.chat)
+            constraint = body.constraint()
+            if plan.constraint is not None and constraint is not None:
+                raise InvalidParameter(constraint.param, f"tool_choice '{plan.mode}' cannot be combined with it")
+            constraint = constraint or plan.constraint
+            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, constraint)
+            prompt = await server.in_thread(
+                server.chat_prompt, body.messages, True, plan.tools, body.chat_template_kwargs
+            )
+            await server.compile(params)
+            parser = OutputParser(plan, settings.chat, server.ends_in_reasoning(prompt))
             job = render.Job(
-                f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name, [prompt], body.n, body.logprobs
+                f"chatcmpl-{uuid.uuid4().hex}",
+                int(time.time()),
+                server.model_name,
+                [prompt],
+                body.n,
+                body.logprobs,
+                parser=parser if parser.active else None,
             )
             generation = start(request, job, params, body.priority)
         except InvalidParameter as exc:
@@ -410,8 +431,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         _reject_unsupported(body)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        body = with_defaults(body, settings.chat.generation_defaults)
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.constraint())
         prompts = await server.in_thread(server.text_prompts, body.prompt)
+        await server.compile(params)
         echo_texts = None
         if body.echo:
             echo_texts = await server.in_thread(_echo_texts, server.tokenizer, body.prompt, prompts)

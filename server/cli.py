@@ -274,6 +274,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.default_model import DEFAULT_MODEL_NAME
     from server.api import ServerSettings, build_app
+    from server.chat import ChatOptions
     from server.ratelimit import RateLimiter
 
     if args.model and args.model_flag and args.model != args.model_flag:
@@ -292,6 +293,7 @@ def serve_command(args: argparse.Namespace) -> int:
             api_keys,
             http.max_waiting_requests,
             RateLimiter(http.rate_limit_requests_per_minute, http.rate_limit_tokens_per_minute),
+            ChatOptions.from_config(http, engine.engine.model_dir),
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The names of server/tool_parsers.py's and server/reasoning.py's parsers (a test keeps them in step).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def knob(default: Any, help: str, **metadata: Any) -> Any:
@@ -61,6 +64,37 @@ class ServerConfig:
         "at most this many requests queued without a first token; beyond it requests are answered 503 with Retry-After",
         min=0,
         default_help="unbounded",
+    )
+    enable_auto_tool_choice: bool = knob(
+        False, 'tool_choice "auto": parse the tool calls the model writes (needs --tool-call-parser)'
+    )
+    tool_call_parser: str | None = knob(
+        None,
+        "how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3, Hermes), llama3_json, "
+        "mistral ([TOOL_CALLS]) or pythonic ([f(x=1)]: Llama 3.2/4)",
+        choices=TOOL_CALL_PARSERS,
+        metavar="NAME",
+        default_help="none",
+    )
+    reasoning_parser: str | None = knob(
+        None,
+        "split <think>...</think> reasoning into reasoning_content: qwen3, or deepseek_r1 (reasoning open from "
+        "the first token)",
+        choices=REASONING_PARSERS,
+        metavar="NAME",
+        default_help="none",
+    )
+    chat_template: str | None = knob(
+        None,
+        "a Jinja chat template (a file, or the template itself) to use instead of the tokenizer's",
+        metavar="TEMPLATE",
+        default_help="the tokenizer's",
+    )
+    generation_config: str = knob(
+        "auto",
+        "auto: the model's generation_config.json supplies default temperature, top_p, top_k, min_p and "
+        "repetition_penalty for requests that omit them; vllm: ignore it; or a folder holding one",
+        metavar="auto|vllm|DIR",
     )
     shutdown_timeout: float = knob(30.0, "on SIGTERM, seconds to let in-flight requests finish before they are cut")
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)

@@ -7,11 +7,12 @@ declared, so they parse, and `unsupported()` names the first one that was set.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import Constraint, InvalidParameter, SamplingParams
 
 
 class _Request(BaseModel):
@@ -35,15 +36,74 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: str  # checked when the prompt is built, so a tool message gets a clear answer
-    content: str | list[ContentPart]
+    role: str  # checked when the prompt is built, so an unknown role gets a clear answer
+    content: str | list[ContentPart] | None = None  # None: an assistant message of tool calls only
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: reasoning sent back (templates may show or drop it)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema etc.; only type "text" is accepted
-    type: str
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` request field: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _GenerationRequest(_Request):
@@ -77,9 +137,54 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's structured outputs: the current field and the older guided_* ones.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar is the only backend
+    guided_whitespace_pattern: str | None = None  # accepted: JSON is written without free whitespace
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidParameter naming the bad parameter."""
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint the request asks for (at most one field may ask)."""
+        found: list[Constraint] = []
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                found.append(Constraint("json", _schema_text(so.json_), "structured_outputs.json"))
+            if so.regex is not None:
+                found.append(Constraint("regex", so.regex, "structured_outputs.regex"))
+            if so.choice is not None:
+                found.append(_choice(so.choice, "structured_outputs.choice"))
+            if so.grammar is not None:
+                found.append(Constraint("grammar", so.grammar, "structured_outputs.grammar"))
+            if so.json_object:
+                found.append(Constraint("json_object", "", "structured_outputs.json_object"))
+            if so.structural_tag is not None:
+                found.append(Constraint("structural_tag", so.structural_tag, "structured_outputs.structural_tag"))
+        if self.guided_json is not None:
+            found.append(Constraint("json", _schema_text(self.guided_json), "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(_choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
+        found += self._format_constraints()
+        if len(found) > 1:
+            names = ", ".join(c.param for c in found)
+            raise InvalidParameter(found[1].param, f"give one structured output constraint, not several ({names})")
+        return found[0] if found else None
+
+    def _format_constraints(self) -> list[Constraint]:
+        return []
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, constraint: Constraint | None = None
+    ) -> SamplingParams:
+        """Raises InvalidParameter naming the bad parameter. `constraint`: the structured-output
+        constraint (see constraint()), or one the caller made (tool calling)."""
         bias = None
         if self.logit_bias:
             bias = {_token_id(key): value for key, value in self.logit_bias.items()}
@@ -102,7 +207,18 @@ class _GenerationRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            constraint=constraint,
         )
+
+
+def _schema_text(schema: dict | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _choice(choices: list[str], param: str) -> Constraint:
+    if not choices:
+        raise InvalidParameter(param, f"{param} needs at least one choice")
+    return Constraint("choice", json.dumps(choices), param)
 
 
 def _token_id(key: str) -> int:
@@ -120,10 +236,12 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     store: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's template extras: keyword arguments for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI parameters pagoda does not implement yet: set to anything, they are refused.
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -135,9 +253,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def unsupported(self) -> str | None:
         """The name of the first parameter that was set but is not implemented, or None."""
         for name in (
-            "tools",
-            "tool_choice",
-            "parallel_tool_calls",
             "functions",
             "function_call",
             "audio",
@@ -148,13 +263,21 @@ class ChatCompletionRequest(_GenerationRequest):
         ):
             if getattr(self, name) is not None:
                 return name
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities"
         if self.store:
             return "store"
         return None
+
+    def _format_constraints(self) -> list[Constraint]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return []
+        if fmt.type == "json_object":
+            return [Constraint("json_object", "", "response_format")]
+        if fmt.json_schema is None:
+            raise InvalidParameter("response_format.json_schema", "response_format json_schema needs its json_schema")
+        return [Constraint("json", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")]
 
 
 class CompletionRequest(_GenerationRequest):
@@ -182,6 +305,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -223,9 +348,17 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class ChatChoice(BaseModel):
@@ -249,10 +382,26 @@ def _omit_none(value: Any) -> bool:
     return value is None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = Field(None, exclude_if=_omit_none)
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: index, id, type and name first, then fragments of its arguments."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_none)
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
-    # A streamed delta carries only what changed: the role once, then content.
+    # A streamed delta carries only what changed: the role once, then content (or reasoning, or tool calls).
     role: str | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):

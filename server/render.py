@@ -13,6 +13,7 @@ from pydantic_core import to_json
 
 from engine.sequence import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.tokenizer import Tokenizer
+from server.chat import ChoiceStream, OutputParser, tool_calls_out
 from server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -57,6 +58,7 @@ class Job:
     n: int
     logprobs: bool
     echo_texts: list[str] | None = None  # completions with echo: the prompts' text, in order
+    parser: OutputParser | None = None  # chat with tools or reasoning: how the text splits
 
     def choice_index(self, prompt_index: int, choice: CompletionOutput) -> int:
         # OpenAI numbers the choices of a list of prompts prompt by prompt.
@@ -97,16 +99,24 @@ def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, off
 
 
 def chat_completion(job: Job, out: RequestOutput, strings: TokenStrings) -> ChatCompletion:
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatMessageOut(content=c.text),
-            logprobs=chat_logprobs(c.logprobs or [], strings) if job.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
+        if job.parser is not None:
+            parsed = job.parser.parse(c.text, c.finish_reason)
+            message = ChatMessageOut(
+                content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=tool_calls_out(parsed.tool_calls)
+            )
+            finish_reason = parsed.finish_reason
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=chat_logprobs(c.logprobs or [], strings) if job.logprobs else None,
+                finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in out.outputs
-    ]
     return ChatCompletion(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage({0: out}))
 
 
@@ -192,6 +202,8 @@ class ChatChunker(_Chunker):
     """Chunks as JSON strings. A plain content delta (most chunks) is filled into a template instead of
     building and serializing pydantic models: this runs once per token per stream, on the event loop."""
 
+    streams: dict[int, ChoiceStream] = field(default_factory=dict)  # per choice, when the job has a parser
+
     def __post_init__(self) -> None:
         template = self._chunk(ChatChunkChoice(index=0, delta=Delta(content=""), logprobs=None))
         self._prefix, self._suffix = _text_template(template, '0,"delta":{"content":""}')
@@ -204,6 +216,8 @@ class ChatChunker(_Chunker):
         ]
 
     def update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        if self.job.parser is not None:
+            return self._parsed_update(prompt_index, out)
         chunks = []
         for part in self._new_parts(prompt_index, out):
             if part.text or part.logprobs:
@@ -228,6 +242,35 @@ class ChatChunker(_Chunker):
                     ).model_dump_json()
                 )
         return chunks
+
+    def _parsed_update(self, prompt_index: int, out: RequestOutput) -> list[str]:
+        """Chunks of a choice whose text is split into content, reasoning and tool calls as it streams."""
+        chunks = []
+        for part in self._new_parts(prompt_index, out):
+            stream = self.streams.get(part.index)
+            if stream is None:
+                stream = self.streams[part.index] = self.job.parser.stream()
+            pieces = [stream.feed(part.text)] if part.text else []
+            finish_reason = None
+            if part.finish_reason is not None:
+                rest, finish_reason = stream.finish(part.finish_reason)
+                pieces.append(rest)
+            logprobs = chat_logprobs(part.logprobs, self.strings) if self.job.logprobs and part.logprobs else None
+            for piece in pieces:
+                if piece or logprobs is not None:
+                    delta = Delta(
+                        content=piece.content or None,
+                        reasoning_content=piece.reasoning or None,
+                        tool_calls=piece.tool_calls or None,
+                    )
+                    chunks.append(self._chunk(ChatChunkChoice(index=part.index, delta=delta, logprobs=logprobs)))
+                    logprobs = None
+            if finish_reason is not None:
+                choice = ChatChunkChoice(
+                    index=part.index, delta=Delta(), finish_reason=finish_reason, stop_reason=part.choice.stop_reason
+                )
+                chunks.append(self._chunk(choice))
+        return [chunk.model_dump_json() for chunk in chunks]
 
     def usage_chunk(self) -> str:
         return self._chunk(None, usage(self.last)).model_dump_json()

@@ -403,6 +403,7 @@ def test_tokenize_and_detokenize(server, tokenizer):
 
 LONG_PROMPT = "hello " * 1100  # over the 1024-token context
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 ERRORS = [
     # (path, body, status, param)
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": -1}, 400, "max_tokens"),
@@ -425,11 +426,14 @@ ERRORS = [
         "messages[0].content[0].text",
     ),
     ("/v1/chat/completions", {"messages": FRANCE, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    # This server runs without --enable-auto-tool-choice: tools alone mean tool_choice "auto", which it cannot do.
+    ("/v1/chat/completions", {"messages": FRANCE, "tools": [WEATHER_TOOL]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     ("/v1/chat/completions", {"messages": FRANCE, "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -482,8 +486,8 @@ def test_sdk_raises_the_matching_errors(client):
         client.completions.create(model="nope", prompt="hi")
     assert err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=FRANCE, response_format={"type": "json_object"})
-    assert "response_format" in err.value.message
+        client.chat.completions.create(model=MODEL, messages=FRANCE, tools=[WEATHER_TOOL])
+    assert "--enable-auto-tool-choice" in err.value.message
 
 
 def test_bad_requests_do_not_disturb_a_stream(async_client_factory, client):

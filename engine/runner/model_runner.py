@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
+from engine.structured import StepMask
 
 log = logging.getLogger("pagoda.runner")
 
@@ -35,12 +36,17 @@ class SampledTokens:
 
 @dataclass
 class LaunchedStep:
-    """A forward + sampling enqueued on the device; its tokens reach the host when `event` fires."""
+    """A forward + sampling enqueued on the device; its tokens reach the host when `event` fires.
+
+    A step launched with its sampling deferred holds its `logits` until sample() is called."""
 
     sampling: list[tuple[Sequence, int]]
-    token_ids: torch.Tensor | None  # [rows] on the device: the next step's inputs read them there
-    host: list[torch.Tensor | None]  # token ids, logprobs, top ids, top logprobs, copied to (pinned) host memory
-    event: torch.cuda.Event | None  # recorded after the copies; None on the CPU
+    token_ids: torch.Tensor | None = None  # [rows] on the device: the next step's inputs read them there
+    host: list[torch.Tensor | None] = field(default_factory=lambda: [None] * 4)
+    # ^ token ids, logprobs, top ids, top logprobs, copied to (pinned) host memory
+    event: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU
+    logits: torch.Tensor | None = None  # sampling deferred: the rows' logits, until sample()
+    rows: list[SamplerRow] | None = None  # sampling deferred: the rows as they were at launch
 
     def row_of(self) -> dict[int, int]:
         return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
@@ -185,13 +191,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]], previous: LaunchedStep | None = None
+        self,
+        scheduled: list[ScheduledSeq],
+        sampling: list[tuple[Sequence, int]],
+        previous: LaunchedStep | None = None,
+        mask: StepMask | None = None,
+        defer_sampling: bool = False,
     ) -> LaunchedStep:
         """Enqueue one forward over `scheduled` and the sampling of each (sequence, index into
-        `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row).
+        `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row),
+        with the structured-output `mask` applied to its rows' logits.
 
         A sequence's last token may be PLACEHOLDER: sampled by `previous`, which is still on the
-        device; its value is copied there from `previous`'s token tensor, with no host sync."""
+        device; its value is copied there from `previous`'s token tensor, with no host sync.
+
+        With `defer_sampling`, only the forward is enqueued; sample() completes the step once its
+        mask is known (the mask needs the tokens `previous` is still sampling)."""
         inputs = step_inputs(scheduled)
         fill = None
         if previous is not None:
@@ -216,11 +231,16 @@ class ModelRunner:
             if sampling:
                 logits = self.model.compute_logits(hidden[upload(inputs.ends[rows] - 1, self.device)])
         if not sampling:
-            return LaunchedStep([], None, [None] * 4, None)
-        return self._sample(logits, sampling)
+            return LaunchedStep([])
+        # The rows are taken now: a deferred sampling runs after the scheduler has counted this step.
+        step = LaunchedStep(sampling, logits=logits, rows=self._sampler_rows(sampling))
+        if not defer_sampling:
+            self.sample(step, mask)
+        return step
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]]) -> LaunchedStep:
-        sampler_rows = [
+    @staticmethod
+    def _sampler_rows(sampling: list[tuple[Sequence, int]]) -> list[SamplerRow]:
+        return [
             SamplerRow(
                 seq.request.params,
                 seq.seed,
@@ -230,18 +250,25 @@ class ModelRunner:
             )
             for seq, _ in sampling
         ]
-        out = self.sampler(logits, sampler_rows)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, mask: StepMask | None) -> None:
+        """Enqueue the sampling of a launched step's logits (and the copy of its tokens to the host)."""
+        logits, rows = step.logits, step.rows
+        step.logits = step.rows = None
+        out = self.sampler(logits, rows, mask)
+        step.token_ids = out.token_ids
         device_out = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
         if self.device.type != "cuda":
-            return LaunchedStep(sampling, out.token_ids, device_out, None)
+            step.host = device_out
+            return
         # Pinned destinations: the copies run in stream order and the host does not wait for them.
-        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_out]
-        for dst, src in zip(host, device_out):
+        step.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_out]
+        for dst, src in zip(step.host, device_out):
             if src is not None:
                 dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return LaunchedStep(sampling, out.token_ids, host, event)
+        step.event = torch.cuda.Event()
+        step.event.record()
 
     def collect(self, step: LaunchedStep) -> SampledTokens:
         """Wait for a launched step's tokens (only its own copies, not later work) and read them."""

@@ -1,0 +1,231 @@
+"""Structured outputs at full load: W2 with every request held to a JSON schema, pagoda and vLLM.
+
+    python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
+    python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
+    python bench/structured.py run DIR --engine vllm   [--plain]
+
+W2 as everywhere (256 requests, prompt and output lengths U[100, 1024], numpy seed 0, dummy weights,
+greedy, ignore_eos), with a tokenizer: grammars are compiled against a vocabulary, and no model hub
+is reachable, so `model` writes one of Qwen3's size. It is a byte-level BPE trained on the Jargon File
+(bench/data), extended with merges of its own tokens until it has 151,643 regular tokens, plus
+Qwen's three special tokens: deterministic, and built from nothing but this repository.
+
+The schema (SCHEMA) asks for at least 400 records, so every request stays under its grammar for its
+whole output (dummy weights write whatever the mask leaves them). Both engines use xgrammar and stop
+constraining a request once its grammar has terminated (ignore_eos runs on past the end). It has no
+string maxLength: xgrammar checks such a string's tokens one by one (~340 us a row per step on this
+tokenizer, against ~5 us without), a cost both engines would pay alike.
+
+Reported per run: output tok/s, and for pagoda the grammar compile time and the host time spent
+filling the batch's bitmask per step (measured around Grammars.fill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.throughput import ranged_workload  # noqa: E402
+
+QWEN_VOCAB = 151643  # regular tokens; the model's embedding has 151,936 rows
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 400,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "kind": {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+                    "score": {"type": "number"},
+                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                },
+                "required": ["id", "name", "kind", "score", "tags"],
+            },
+        }
+    },
+    "required": ["records"],
+}
+
+
+def write_model(path: Path) -> None:
+    """Qwen3-0.6B's config and a Qwen-sized byte-level BPE tokenizer in `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((ROOT / "bench/configs/qwen3-0.6b/config.json").read_text())
+    config.update(bos_token_id=QWEN_VOCAB, eos_token_id=QWEN_VOCAB + 2)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=QWEN_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train([str(ROOT / "bench/data/jargon-file-4.4.7.txt")], trainer)
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list = data["model"]["merges"]
+    learned = [t for t in sorted(vocab, key=vocab.get) if len(t) > 1]
+    rng = random.Random(0)
+    # Merges of two learned tokens: each new token is a valid BPE result (both halves are tokens).
+    while len(vocab) < QWEN_VOCAB:
+        a, b = rng.choice(learned), rng.choice(learned)
+        if a + b not in vocab and len(a + b) <= 16:
+            vocab[a + b] = len(vocab)
+            merges.append([a, b])
+    data["added_tokens"] = [
+        {
+            "id": QWEN_VOCAB + i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, s in enumerate(SPECIALS)
+    ]
+    (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None})
+    )
+
+
+def workload():
+    # The vLLM peer's W2 (numpy seed 0): the same prompts and output lengths.
+    return ranged_workload(256, 100, 1024, 151936, 0)
+
+
+def run_pagoda(model: str, constrained: bool) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import Constraint
+
+    prompts, outs = workload()
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096)
+    load_s = time.perf_counter() - t0
+    constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
+    extra: dict = {}
+    if constrained:
+        t0 = time.perf_counter()
+        llm.engine.compile_constraint(SamplingParams(constraint=constraint))
+        extra["grammar_compile_s"] = time.perf_counter() - t0  # incl. xgrammar's one-off vocabulary read
+        t0 = time.perf_counter()
+        llm.engine.compile_constraint(SamplingParams(constraint=Constraint("json", json.dumps({**SCHEMA, "x": 1}))))
+        extra["grammar_compile_warm_s"] = time.perf_counter() - t0  # another schema, vocabulary known
+        fill_times: list[float] = []
+        grammars = llm.engine.grammars
+        fill = grammars.fill
+
+        def timed_fill(matchers):
+            start = time.perf_counter()
+            result = fill(matchers)
+            fill_times.append((time.perf_counter() - start, len(matchers)))
+            return result
+
+        grammars.fill = timed_fill
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, constraint=constraint)
+    llm.generate([p[:32] for p in prompts[:8]], warm, use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()
+    if constrained:
+        fill_times.clear()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, constraint=constraint) for n in outs]
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    if constrained:
+        full = [t for t, rows in fill_times if rows >= 128]
+        extra.update(
+            mask_fills=len(fill_times),
+            mask_fill_ms_mean=1e3 * sum(t for t, _ in fill_times) / max(1, len(fill_times)),
+            mask_fill_ms_at_128plus_rows=1e3 * sum(full) / max(1, len(full)),
+            valid_json_prefixes=_prefixes_ok(llm, constraint, results),
+        )
+    return dict(
+        engine="pagoda",
+        xgrammar=version("xgrammar"),
+        elapsed_s=elapsed,
+        output_tokens=tokens,
+        output_tok_s=tokens / elapsed,
+        load_s=load_s,
+        **extra,
+    )
+
+
+def _prefixes_ok(llm, constraint, results) -> int:
+    """How many outputs a fresh matcher accepts up to its grammar's end (the mask really held them)."""
+    grammars = llm.engine.grammars
+    compiled = grammars.compile(constraint)
+    ok = 0
+    for r in results:
+        matcher = grammars.matcher(compiled)
+        ok += all(matcher.is_terminated() or matcher.accept_token(t) for t in r.outputs[0].token_ids)
+    return ok
+
+
+def run_vllm(model: str, constrained: bool) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompts, outs = workload()
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model, load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096, gpu_memory_utilization=0.9
+    )
+    load_s = time.perf_counter() - t0
+
+    def sp(n: int) -> SamplingParams:
+        so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, structured_outputs=so)
+
+    llm.generate([{"prompt_token_ids": p[:32]} for p in prompts[:8]], [sp(8)] * 8, use_tqdm=False)
+    t0 = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], [sp(n) for n in outs], use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    return dict(
+        engine="vllm",
+        vllm_version=vllm.__version__,
+        elapsed_s=elapsed,
+        output_tokens=tokens,
+        output_tok_s=tokens / elapsed,
+        load_s=load_s,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["model", "run"])
+    parser.add_argument("dir")
+    parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
+    parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
+    args = parser.parse_args()
+    if args.what == "model":
+        write_model(Path(args.dir))
+        return
+    run = run_pagoda if args.engine == "pagoda" else run_vllm
+    row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}
+    print(json.dumps(row), flush=True)
+    out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call, after the vLLM peer is staged and installed (../shared/peers/vllm_h100.sh stage 1;
+# stage 2 && install): W2 with a JSON schema on every request, pagoda and vLLM 0.26 in turn, each run
+# in its own process, plus both unconstrained. pagoda takes xgrammar from the vLLM site there (the
+# device has no network); the version is in each row. Rows: $OUT/structured.jsonl.
+#   bash bench/structured.sh [runs...]   default: pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain
+set -u
+SITE=${VB_SITE:-/root/vb_site}
+export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export OUT=${OUT:-/tmp/structured}
+MODEL=/tmp/structured-model
+mkdir -p "$OUT"
+python3 -c "import torch; from importlib.metadata import version; print('torch', torch.__version__, 'xgrammar', version('xgrammar'))"
+[ -f $MODEL/tokenizer.json ] || python3 bench/structured.py model $MODEL || exit 1
+runs=${*:-pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain}
+for r in $runs; do
+  engine=${r%-plain}; flag=; [ "$r" != "$engine" ] && flag=--plain
+  echo "=== $r $(date +%T)"
+  timeout ${RUN_TIMEOUT:-300} python3 bench/structured.py run $MODEL --engine $engine $flag 2>&1 \
+    | grep -v -E 'it/s\]|s/it\]|shutdown' | tail -${LOG_LINES:-4}
+done
+cat $OUT/structured.jsonl

@@ -1,0 +1,216 @@
+"""Structured outputs in the engine: constrained sampling through xgrammar, on the default model's tokenizer.
+
+A tiny random Llama with the default model's vocabulary writes whatever its random weights favour, so
+every token it emits under a grammar was forced by the mask; the default model itself shows that the
+constrained outputs are also what a real model says.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, InvalidParameter, SamplingParams
+from engine.sampler import Sampler, SamplerRow
+from engine.sampling_params import Constraint
+from engine.structured import Grammars
+from engine.tokenizer import Tokenizer
+from tests.conftest import KV_BYTES, TINY
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+}
+
+
+def json_constraint(schema: dict) -> Constraint:
+    return Constraint("json", json.dumps(schema), param="response_format")
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(default_model_dir, tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer and vocabulary size."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("random-smol")
+    config = LlamaConfig(**{**TINY, "vocab_size": 49152, "max_position_embeddings": 1024}, tie_word_embeddings=True)
+    config.eos_token_id, config.bos_token_id = 2, 1
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    return LLM(str(model_dir), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, **kw)
+
+
+@pytest.fixture(scope="module")
+def random_llm(random_model_dir):
+    return make_llm(random_model_dir)
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir):
+    return make_llm(default_model_dir, max_model_len=512)
+
+
+def prefix_ok(llm: LLM, constraint: Constraint, token_ids: list[int]) -> bool:
+    """Whether a fresh matcher of `constraint` accepts every token (the output is a prefix of a match)."""
+    grammars = llm.engine.grammars
+    matcher = grammars.matcher(grammars.compile(constraint))
+    return all(matcher.accept_token(t) for t in token_ids)
+
+
+def test_random_model_under_a_schema_writes_valid_json(random_llm):
+    constraint = json_constraint(PERSON)
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, constraint=constraint)
+    outputs = random_llm.generate(["hello", "a b c"], params, use_tqdm=False)
+    finished = 0
+    for out in outputs:
+        for choice in out.outputs:
+            assert prefix_ok(random_llm, constraint, choice.token_ids)
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.text), PERSON)
+                finished += 1
+    # The schema bounds every string and array, so the grammar forces an end well within 120 tokens.
+    assert finished == 6
+
+
+@pytest.mark.parametrize(
+    "constraint, check",
+    [
+        (Constraint("regex", r"[a-z]{3}-\d{2,4}"), lambda text: __import__("re").fullmatch(r"[a-z]{3}-\d{2,4}", text)),
+        (Constraint("choice", json.dumps(["alpha", "beta gamma", 'quote " inside'])), None),
+        (Constraint("grammar", 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'), None),
+        (Constraint("grammar", 'start: "<" WORD ">"\nWORD: /[a-z]+/'), None),  # Lark
+        (Constraint("json_object"), lambda text: isinstance(json.loads(text), dict)),
+    ],
+)
+def test_random_model_matches_regex_choice_grammar_and_json_object(random_llm, constraint, check):
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=60, constraint=constraint)
+    for choice in random_llm.generate(["x"], params, use_tqdm=False)[0].outputs:
+        assert prefix_ok(random_llm, constraint, choice.token_ids)
+        if constraint.kind == "choice":
+            assert choice.finish_reason == "stop"
+            assert choice.text in json.loads(constraint.spec)
+        elif choice.finish_reason == "stop" and check is not None:
+            assert check(choice.text)
+
+
+def test_default_model_fills_a_schema_greedily(smol):
+    params = SamplingParams(temperature=0, max_tokens=100, constraint=json_constraint(PERSON))
+    prompt = smol.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a person named Ann, aged 31, as JSON."}]
+    )
+    out = smol.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    value = json.loads(out.text)
+    jsonschema.validate(value, PERSON)
+    assert value["age"] == 31
+
+
+def test_max_tokens_mid_object_ends_with_length(smol):
+    params = SamplingParams(temperature=0, max_tokens=5, constraint=json_constraint(PERSON))
+    out = smol.generate(["Describe a person:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 5 and out.text.startswith("{")
+    assert prefix_ok(smol, json_constraint(PERSON), out.token_ids)
+
+
+def test_bad_constraints_name_their_field(random_llm):
+    cases = [
+        Constraint("json", '{"type": "objec"}', param="response_format"),
+        Constraint("json", "not json", param="guided_json"),
+        Constraint("regex", "a(", param="structured_outputs.regex"),
+        Constraint("grammar", "root ::= undefined_rule", param="guided_grammar"),
+    ]
+    for constraint in cases:
+        with pytest.raises(InvalidParameter) as info:
+            random_llm.generate(["x"], SamplingParams(max_tokens=4, constraint=constraint), use_tqdm=False)
+        assert info.value.param == constraint.param
+        assert "cannot be compiled" in str(info.value) and "/project/" not in str(info.value)
+    with pytest.raises(InvalidParameter):
+        Constraint("yaml", "x")
+    # The engine is unharmed: a plain request still runs.
+    assert random_llm.generate(["x"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+
+
+def test_neighbours_of_constrained_rows_are_unchanged(random_llm):
+    """Constrained and unconstrained sequences in one batch: the unconstrained ones sample exactly as alone."""
+    plain = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    alone = random_llm.generate(["one two"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=0.9, seed=6, max_tokens=20, constraint=json_constraint(PERSON))
+    mixed = random_llm.generate(["zz", "one two", "q"], [constrained, plain, constrained], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_constrained_outputs_survive_preemption_and_async_scheduling(random_model_dir, random_llm, preemption_mode):
+    """A 12-block pool under 8 concurrent constrained requests preempts; the deferred sampling of async
+    scheduling fills masks after the tokens in flight. Every output equals the same request run alone."""
+    constraint = json_constraint(PERSON)
+    params = [
+        SamplingParams(temperature=0.8, seed=100 + i, max_tokens=48, constraint=constraint if i % 4 else None)
+        for i in range(8)
+    ]
+    prompts = [f"request {i} " * 6 for i in range(8)]
+    alone = [random_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    small = make_llm(
+        random_model_dir,
+        num_gpu_blocks_override=12,
+        block_size=16,
+        preemption_mode=preemption_mode,
+        swap_space=0.01,
+        async_scheduling=True,
+        max_model_len=160,
+    )
+    together = small.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert sum(small.engine.scheduler.num_preemptions.values()) > 0
+
+
+def test_mask_fills_only_allowed_tokens(random_llm):
+    """The sampler draws only tokens the grammar allows, and greedy takes the best allowed one."""
+    grammars: Grammars = random_llm.engine.grammars
+    choices = ["yes", "no"]
+    compiled = grammars.compile(Constraint("choice", json.dumps(choices)))
+    vocab = random_llm.engine.runner.vocab_size
+    sampler = Sampler(vocab, frozenset({2}), torch.device("cpu"))
+    logits = torch.randn(6, vocab)
+    rows = [SamplerRow(SamplingParams(temperature=1.0 if i % 2 else 0.0), i, [1], []) for i in range(6)]
+    mask = grammars.fill([(1, grammars.matcher(compiled)), (2, grammars.matcher(compiled))])
+    bits = mask.bitmask[0]
+    allowed = {t for t in range(vocab) if (bits[t // 32].item() >> (t % 32)) & 1}
+    # Exactly the tokens that begin a choice.
+    tokenizer: Tokenizer = random_llm.tokenizer
+    for t in allowed:
+        text = tokenizer.decode([t])
+        assert text and any(c.startswith(text) for c in choices), text
+    assert tokenizer.encode("yes", add_special_tokens=False)[0] in allowed
+    drawn = set()
+    for step in range(50):
+        for r in rows:
+            r.num_output_tokens = step
+        out = sampler(logits, rows, mask)
+        drawn |= {out.token_ids[1].item(), out.token_ids[2].item()}
+        assert out.token_ids[0].item() == logits[0].argmax().item()  # unconstrained rows untouched
+    assert drawn <= allowed and drawn
+    best = max(allowed, key=lambda t: logits[2, t].item())
+    assert sampler(logits, rows, mask).token_ids[2].item() == best
