@@ -315,9 +315,7 @@ class ChoiceStream:
 
     def finish(self, finish_reason: str | None) -> tuple[StreamPiece, str | None]:
         """The rest, and the choice's finish_reason as the response states it."""
-        if self.plan.mode == "named":
-            return StreamPiece(), "length" if finish_reason == "length" else "tool_calls"
-        if self.required is not None:
+        if self.plan.mode in ("named", "required"):  # the grammar made the whole output calls
             return StreamPiece(), "length" if finish_reason == "length" else "tool_calls"
         piece = self._content("", final=True)
         return piece, _finish(finish_reason, self.num_calls > 0)

@@ -116,3 +116,13 @@ def test_registry():
     assert get_reasoning_parser("qwen3") is REASONING_PARSERS["qwen3"]
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         get_reasoning_parser("granite")
+
+
+def test_server_flag_choices_name_every_parser():
+    """--tool-call-parser and --reasoning-parser offer exactly the parsers that exist."""
+    from server.config import REASONING_PARSERS as REASONING_FLAG_CHOICES
+    from server.config import TOOL_CALL_PARSERS
+    from server.tool_parsers import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    assert set(REASONING_FLAG_CHOICES) == set(REASONING_PARSERS)
