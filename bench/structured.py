@@ -3,6 +3,7 @@
     python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
     python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
     python bench/structured.py run DIR --engine vllm   [--plain]
+    python bench/structured.py fills DIR                     # the host cost of a step's grammar work
 
 W2 as everywhere (256 requests, prompt and output lengths U[100, 1024], numpy seed 0, dummy weights,
 greedy, ignore_eos), with a tokenizer: grammars are compiled against a vocabulary, and no model hub
@@ -16,8 +17,9 @@ constraining a request once its grammar has terminated (ignore_eos runs on past 
 string maxLength: xgrammar checks such a string's tokens one by one (~340 us a row per step on this
 tokenizer, against ~5 us without), a cost both engines would pay alike.
 
-Reported per run: output tok/s, and for pagoda the grammar compile time and the host time spent
-filling the batch's bitmask per step (measured around Grammars.fill).
+Reported per run: output tok/s, and for pagoda the grammar compile time and the host time per step
+of each phase of the engine's step (`host_ms_per_step`: collect includes the wait for the device; the
+phases nest, see _time_phases).
 """
 
 from __future__ import annotations
@@ -127,35 +129,20 @@ def run_pagoda(model: str, constrained: bool) -> dict:
         t0 = time.perf_counter()
         llm.engine.compile_constraint(SamplingParams(constraint=Constraint("json", json.dumps({**SCHEMA, "x": 1}))))
         extra["grammar_compile_warm_s"] = time.perf_counter() - t0  # another schema, vocabulary known
-        fill_times: list[float] = []
-        grammars = llm.engine.grammars
-        fill = grammars.fill
-
-        def timed_fill(matchers):
-            start = time.perf_counter()
-            result = fill(matchers)
-            fill_times.append((time.perf_counter() - start, len(matchers)))
-            return result
-
-        grammars.fill = timed_fill
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, constraint=constraint)
     llm.generate([p[:32] for p in prompts[:8]], warm, use_tqdm=False)
     llm.engine.block_manager.reset_prefix_cache()
-    if constrained:
-        fill_times.clear()
+    phases = _time_phases(llm.engine)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, constraint=constraint) for n in outs]
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    steps = phases.pop("step")
+    extra.update(steps=steps[1], host_ms_per_step={k: round(1e3 * t / steps[1], 3) for k, (t, _) in phases.items()})
+    extra["host_ms_per_step"]["step"] = round(1e3 * steps[0] / steps[1], 3)
     if constrained:
-        full = [t for t, rows in fill_times if rows >= 128]
-        extra.update(
-            mask_fills=len(fill_times),
-            mask_fill_ms_mean=1e3 * sum(t for t, _ in fill_times) / max(1, len(fill_times)),
-            mask_fill_ms_at_128plus_rows=1e3 * sum(full) / max(1, len(full)),
-            valid_json_prefixes=_prefixes_ok(llm, constraint, results),
-        )
+        extra["valid_json_prefixes"] = _prefixes_ok(llm, constraint, results)
     return dict(
         engine="pagoda",
         xgrammar=version("xgrammar"),
@@ -165,6 +152,38 @@ def run_pagoda(model: str, constrained: bool) -> dict:
         load_s=load_s,
         **extra,
     )
+
+
+def _time_phases(engine) -> dict[str, list[float]]:
+    """Wrap the engine's step phases in host timers: {phase: [seconds, calls]}, filled as it runs.
+
+    collect includes the wait for the device (the step's tokens); grammar_fill and grammar_accept are
+    the masks filled and the matchers advanced."""
+    totals: dict[str, list[float]] = {}
+
+    def timed(owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+        cell = totals.setdefault(phase, [0.0, 0])
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                cell[0] += time.perf_counter() - start
+                cell[1] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(engine, "step", "step")
+    timed(engine, "_complete", "complete")
+    timed(engine.runner, "collect", "collect")
+    timed(engine.scheduler, "update", "scheduler_update")
+    timed(engine, "_launch", "launch")
+    timed(engine.runner, "sample", "sample")
+    timed(engine, "_mask", "grammar_fill")
+    timed(engine, "_advance_matchers", "grammar_accept")
+    return totals
 
 
 def _prefixes_ok(llm, constraint, results) -> int:
@@ -209,15 +228,66 @@ def run_vllm(model: str, constrained: bool) -> dict:
     )
 
 
+def fill_costs(model: str) -> dict:
+    """Host cost of one step's grammar work at W2's batch: 256 matchers of SCHEMA, each advanced by a
+    random walk of 1-300 allowed tokens, filled by xgrammar's batch matcher at several thread counts,
+    and advanced by one token each in one call. Milliseconds, the best (and for the accept the median) of 20."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = 151936
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, strict_mode=True)
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(256)]
+    bitmask = xgr.allocate_token_bitmask(256, vocab)
+    walks = [rng.randint(1, 300) for _ in matchers]
+    for step in range(max(walks)):
+        xgr.BatchGrammarMatcher("auto").batch_fill_next_token_bitmask(matchers, bitmask)
+        logits = torch.randn(256, vocab, generator=gen)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        tokens = logits.argmax(-1).tolist()
+        for m, t, n in zip(matchers, tokens, walks):
+            if step < n:
+                assert m.accept_token(t)
+    row: dict = {"cpus": os.cpu_count()}
+    for threads in (1, 2, 4, 8, "auto"):
+        batch = xgr.BatchGrammarMatcher(threads)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            batch.batch_fill_next_token_bitmask(matchers, bitmask)
+            times.append(time.perf_counter() - start)
+        row[f"fill_ms_threads_{threads}"] = round(1e3 * min(times), 3)
+    times = []
+    for _ in range(20):
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        logits = torch.randn(256, vocab, generator=gen)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        tokens = logits.argmax(-1).tolist()
+        start = time.perf_counter()
+        xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        times.append(time.perf_counter() - start)
+    row["accept_ms"] = round(1e3 * min(times), 3)
+    row["accept_ms_median"] = round(1e3 * sorted(times)[len(times) // 2], 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["model", "run"])
+    parser.add_argument("what", choices=["model", "run", "fills"])
     parser.add_argument("dir")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
     args = parser.parse_args()
     if args.what == "model":
         write_model(Path(args.dir))
+        return
+    if args.what == "fills":
+        print(json.dumps({"what": "fill_costs", **fill_costs(args.dir)}), flush=True)
         return
     run = run_pagoda if args.engine == "pagoda" else run_vllm
     row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}

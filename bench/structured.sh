@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# One device call, after the vLLM peer is staged and installed (../shared/peers/vllm_h100.sh stage 1;
-# stage 2 && install): W2 with a JSON schema on every request, pagoda and vLLM 0.26 in turn, each run
-# in its own process, plus both unconstrained. pagoda takes xgrammar from the vLLM site there (the
-# device has no network); the version is in each row. Rows: $OUT/structured.jsonl.
+# One device call: W2 with a JSON schema on every request, pagoda and vLLM 0.26 in turn, each run in
+# its own process, plus both unconstrained. Rows: $OUT/structured.jsonl.
 #   bash bench/structured.sh [runs...]   default: pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain
+# The device has no network. vLLM runs need its peer staged and installed first
+# (../shared/peers/vllm_h100.sh stage 1; stage 2 && install), whose site (VB_SITE) also gives pagoda
+# an xgrammar. With XGR_WHEELS=DIR (carried wheels: xgrammar at the version pyproject pins, and what it
+# imports), pagoda runs take xgrammar from those instead; the version is in each row.
 set -u
 SITE=${VB_SITE:-/root/vb_site}
+if [ -n "${XGR_WHEELS:-}" ]; then
+  mkdir -p /tmp/xgr_site
+  for w in "$XGR_WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/xgr_site; done
+  SITE=/tmp/xgr_site:$SITE
+fi
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export OUT=${OUT:-/tmp/structured}

@@ -211,9 +211,7 @@ class LLMEngine:
                 if self.tokenizer is None:
                     raise InvalidParameter("structured_outputs", "structured outputs need a model with a tokenizer")
                 start = time.perf_counter()
-                self._grammars = Grammars(
-                    self.tokenizer.hf, self.runner.vocab_size, self.eos_token_ids, self.config.max_num_seqs
-                )
+                self._grammars = Grammars(self.tokenizer.hf, self.runner.vocab_size, self.eos_token_ids)
                 log.info("structured outputs (xgrammar) ready in %.2f s", time.perf_counter() - start)
             return self._grammars
 
@@ -340,13 +338,14 @@ class LLMEngine:
         """The grammar bitmask of a step's constrained sampling rows (None if it has none)."""
         if self._grammars is None:
             return None
-        matchers = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
-        return self._grammars.fill(matchers) if matchers else None
+        rows = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
+        return self._grammars.fill(rows)
 
     def _complete(self, step: _Step) -> list[RequestOutput]:
         """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""
         results = self.runner.collect(step.launched)
-        touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs)
+        refused = self._advance_matchers(step.launched, results.token_ids)
+        touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
         now = time.monotonic()
         outputs = []
         for request in touched:
@@ -358,6 +357,23 @@ class LLMEngine:
             outputs.append(RequestOutput.of(request))
         self.last_step = self._with_occupancy(step.stats)
         return outputs
+
+    def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int]) -> set[int]:
+        """Advance the matchers of a step's constrained rows by their tokens; the rows whose token their
+        grammar refused (none was allowed: the grammar and min_tokens both banned every one), which the
+        scheduler ends there. A matcher that took a stop token has terminated and is dropped."""
+        mask = launched.mask
+        if mask is None:
+            return set()
+        refused = mask.refused(token_ids)
+        rows = [row for row in mask.rows if row not in refused and launched.sampling[row][0].matcher is not None]
+        seqs = [launched.sampling[row][0] for row in rows]
+        tokens = [token_ids[row] for row in rows]
+        self._grammars.accept([seq.matcher for seq in seqs], tokens)
+        for seq, token in zip(seqs, tokens):
+            if token in self.eos_token_ids:
+                seq.matcher = None
+        return refused
 
     def _with_occupancy(self, stats: StepStats) -> StepStats:
         bm, sched = self.block_manager, self.scheduler

@@ -299,10 +299,15 @@ class Scheduler:
         return LaunchedPlan(out.scheduled, ends, sampling, slots, prefill_tokens)
 
     def update(
-        self, plan: LaunchedPlan, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None
+        self,
+        plan: LaunchedPlan,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None] | None,
+        refused: set[int] | frozenset[int] = frozenset(),
     ) -> list[Request]:
         """A launched step's tokens are back: commit the blocks it filled to the prefix cache, put each
-        token in place of its placeholder, and finish sequences that stop. Returns the requests whose
+        token in place of its placeholder, and finish sequences that stop. `refused`: the sampling rows
+        whose token their grammar did not allow (engine/structured.py). Returns the requests whose
         outputs changed (a final_only request only once a sequence of it finished)."""
         for item, end in zip(plan.scheduled, plan.ends):
             # Not for a sequence preempted (or finished) since: its blocks are gone.
@@ -311,10 +316,18 @@ class Scheduler:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         logprobs = logprobs or [None] * len(plan.sampling)
-        for (seq, _), slot, token, token_logprobs in zip(plan.sampling, plan.slots, token_ids, logprobs):
+        for row, ((seq, _), slot, token, token_logprobs) in enumerate(
+            zip(plan.sampling, plan.slots, token_ids, logprobs)
+        ):
             if seq.is_finished:  # aborted, or stopped by the token before this one
                 continue
-            self._put_token(seq, slot, token, token_logprobs)
+            if row in refused:
+                # The mask left no allowed token (the grammar and min_tokens both banned every one):
+                # the sequence ends where it is, without the token.
+                log.warning("request %s: token %d breaks its grammar; ending the output", seq.request.request_id, token)
+                self._stop(seq, "stop", None)
+            else:
+                self._put_token(seq, slot, token, token_logprobs)
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -332,9 +345,6 @@ class Scheduler:
     def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
         """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""
         params = seq.request.params
-        if not self._grammar_accepts(seq, token):
-            self._stop(seq, "stop", None)  # the token is dropped with its placeholder
-            return
         if slot < len(seq.token_ids):
             seq.token_ids[slot] = token
             seq.num_pending -= 1
@@ -351,17 +361,6 @@ class Scheduler:
             self._stop(seq, "stop", seq.detokenizer.stop_string)
         elif self.ends_by_length(seq, slot + 1):
             self._stop(seq, "length", None)
-
-    @staticmethod
-    def _grammar_accepts(seq: Sequence, token: int) -> bool:
-        """Advance a constrained sequence's matcher by its new token. The mask allowed only tokens the
-        grammar accepts, so a refusal means no allowed token was left (the grammar and min_tokens
-        both banned every one); the sequence then ends where it is."""
-        matcher = seq.matcher
-        if matcher is None or matcher.is_terminated() or matcher.accept_token(token):
-            return True
-        log.warning("request %s: token %d breaks its grammar; ending the output", seq.request.request_id, token)
-        return False
 
     @staticmethod
     def _detokenize(seq: Sequence, token: int) -> bool:

@@ -4,12 +4,13 @@ Built on xgrammar. A Constraint (from SamplingParams) is compiled once per disti
 CompiledGrammar (xgrammar caches compiled grammars by their text, so a schema every request
 repeats compiles once); each sequence of a constrained request gets its own GrammarMatcher, which
 accepts the tokens the sequence is given. Before a constrained row is sampled, its matcher writes
-the set of tokens the grammar allows next into one bit per token of a shared int32 bitmask (the
-rows of a step are filled together, on xgrammar's threads), and the sampler sets every other
-token's logit to -inf on the logits' device in one call for the whole batch.
+the set of tokens the grammar allows next into one bit per token of an int32 bitmask, and the
+sampler sets every other token's logit to -inf on the logits' device in one call for the whole batch.
 
-A matcher that has terminated (it accepted an end-of-sequence token, which a sequence with
-ignore_eos outlives) constrains nothing more.
+Whether a sampled token was allowed is read from the bitmask it was sampled under, so the matchers
+are advanced by a step's tokens in one call for the batch. A matcher that has accepted a stop token
+has terminated (a sequence with ignore_eos outlives it); the engine then drops it, and the sequence
+is constrained no more.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import Constraint, InvalidParameter
@@ -43,11 +45,18 @@ class StepMask:
     bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, bit t of a row set = token t allowed
     rows: list[int]
 
+    def refused(self, token_ids: list[int]) -> set[int]:
+        """The sampling rows whose token (token_ids[row]) this mask did not allow."""
+        tokens = np.asarray([token_ids[row] for row in self.rows], dtype=np.int64)
+        words = self.bitmask.numpy()[np.arange(len(self.rows)), tokens >> 5]
+        allowed = (words >> (tokens & 31).astype(np.int32)) & 1  # arithmetic shift, then the one bit
+        return {self.rows[i] for i in np.flatnonzero(allowed == 0)}
+
 
 class Grammars:
-    """Compiles constraints for one tokenizer and vocabulary, and fills the bitmask of a step's rows."""
+    """Compiles constraints for one tokenizer and vocabulary, advances matchers and fills masks."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_rows: int) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -58,13 +67,10 @@ class Grammars:
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=_CACHE_BYTES)
+        # xgrammar's own threads (half the cores) fill a step's rows, in C++ without the GIL.
         self._batch = xgr.BatchGrammarMatcher("auto")
-        # Two host buffers, used in turn: a step's bitmask may still be on its way to the device when
-        # the next step's is filled. Pinned where a GPU copies from them.
-        pin = torch.cuda.is_available()
-        shape = xgr.get_bitmask_shape(max_rows, vocab_size)
-        self._buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._turn = 0
+        self._pin = torch.cuda.is_available()
+        self._width = xgr.get_bitmask_shape(1, vocab_size)[1]
 
     def compile(self, constraint: Constraint):
         """The CompiledGrammar of a constraint; raises InvalidParameter (naming constraint.param) if it
@@ -102,17 +108,20 @@ class Grammars:
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
 
-    def fill(self, matchers: list[tuple[int, object]]) -> StepMask | None:
-        """The bitmask for (sampling row, matcher) pairs; rows whose matcher has terminated are left
-        unconstrained. None when no row is constrained."""
-        live = [(row, m) for row, m in matchers if not m.is_terminated()]
-        if not live:
+    def accept(self, matchers: list, token_ids: list[int]) -> None:
+        """Advance each matcher by its token (one the mask it was sampled under allowed)."""
+        if matchers:
+            self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
+
+    def fill(self, rows: list[tuple[int, object]]) -> StepMask | None:
+        """The mask of (sampling row, matcher) pairs, whose matchers have not terminated; None for none."""
+        if not rows:
             return None
-        buffer = self._buffers[self._turn]
-        self._turn ^= 1
-        bitmask = buffer[: len(live)]
-        self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask)
-        return StepMask(bitmask, [row for row, _ in live])
+        # A fresh (pinned) buffer each step: torch's host allocator reuses it only once the copy to the
+        # device that reads it has run, and the step's refused() check reads it after sampling.
+        bitmask = torch.empty((len(rows), self._width), dtype=torch.int32, pin_memory=self._pin)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
+        return StepMask(bitmask, [row for row, _ in rows])
 
 
 def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:

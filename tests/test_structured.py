@@ -17,7 +17,7 @@ import torch
 from engine import LLM, InvalidParameter, SamplingParams
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import Constraint
-from engine.structured import Grammars
+from engine.structured import Grammars, apply_mask
 from engine.tokenizer import Tokenizer
 from tests.conftest import KV_BYTES, TINY
 
@@ -214,3 +214,54 @@ def test_mask_fills_only_allowed_tokens(random_llm):
     assert drawn <= allowed and drawn
     best = max(allowed, key=lambda t: logits[2, t].item())
     assert sampler(logits, rows, mask).token_ids[2].item() == best
+
+
+def test_batch_advance_matches_one_matcher_at_a_time(random_llm):
+    """Masks filled for a batch on xgrammar's threads and matchers advanced in one call agree with one
+    matcher at a time; refused() names exactly the rows whose token the mask forbade; a matcher that
+    takes its stop token terminates (and, as the engine drops it, leaves the batch)."""
+    engine = random_llm.engine
+    grammars: Grammars = engine.grammars
+    # A long grammar, and a short one whose matchers take the stop token and terminate early.
+    compiled = [grammars.compile(Constraint("json", json.dumps(PERSON))), grammars.compile(Constraint("regex", "[ab]"))]
+    eos = min(engine.eos_token_ids)
+    ours = [grammars.matcher(compiled[i % 2]) for i in range(150)]
+    reference = [grammars.matcher(compiled[i % 2]) for i in range(150)]
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.runner.vocab_size
+    for _ in range(12):
+        live = [i for i, m in enumerate(reference) if not m.is_terminated()]
+        mask = grammars.fill([(i, ours[i]) for i in live])
+        expected = torch.zeros_like(mask.bitmask)
+        for k, i in enumerate(live):
+            reference[i].fill_next_token_bitmask(expected, k)
+        assert torch.equal(mask.bitmask, expected) and mask.rows == live
+        # A random allowed token per row (the stop token where allowed in every seventh row), but in
+        # every tenth row a forbidden one.
+        logits = torch.randn(len(ours), vocab, generator=gen)
+        logits[::7, eos] = 1e4
+        apply_mask(logits, mask)
+        tokens = logits.argmax(-1).tolist()
+        forbidden = [i for i in live if i % 10 == 0]
+        for i in forbidden:
+            k = live.index(i)
+            tokens[i] = next(t for t in range(vocab) if not (mask.bitmask[k, t // 32].item() >> (t % 32)) & 1)
+        assert mask.refused(tokens) == set(forbidden)
+        accepted = [i for i in live if i not in forbidden]
+        grammars.accept([ours[i] for i in accepted], [tokens[i] for i in accepted])
+        for i in accepted:
+            assert reference[i].accept_token(tokens[i])
+            assert ours[i].is_terminated() == reference[i].is_terminated() == (tokens[i] == eos)
+    assert any(m.is_terminated() for m in reference) and not all(m.is_terminated() for m in reference)
+
+
+def test_ignore_eos_runs_on_unconstrained_past_the_grammars_end(random_llm):
+    """With ignore_eos a sequence outlives its grammar: once the grammar has taken the stop token, the
+    rest is sampled unconstrained (before, the grammar allowed nothing but the stop token)."""
+    eos = min(random_llm.engine.eos_token_ids)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, constraint=Constraint("regex", "[ab]"))
+    out = random_llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    # Greedy under "[ab]": one letter, then only the stop token is allowed.
+    assert random_llm.tokenizer.decode(out.token_ids[:1]) in ("a", "b") and out.token_ids[1] == eos
+    assert set(out.token_ids[2:]) - {eos}

@@ -194,3 +194,46 @@ def test_special_tokens_kept_when_asked(tokenizer):
     skipped = IncrementalDetokenizer(tokenizer, [])
     stream(skipped, ids, [1])
     assert skipped.text == "Paris."
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer(tmp_path_factory):
+    """A sentencepiece-style tokenizer (Metaspace: '▁' for spaces, the first one dropped, byte fallback),
+    the family of Llama 2 and Mistral, trained here on a few lines."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    rust.normalizer = normalizers.Replace(" ", "▁")
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    rust.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    rust.train_from_iterator(["the cat sat on the mat", "héllo wörld 日本語", "a b c d e f"] * 20, trainer)
+    # The byte tokens are ordinary vocabulary in such tokenizers, not special (skipped) tokens.
+    spec = json.loads(rust.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
+    rust = RustTokenizer.from_str(json.dumps(spec))
+    path = tmp_path_factory.mktemp("metaspace")
+    PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return Tokenizer(path)
+
+
+@hypothesis_settings
+@given(data=st.data(), answer=TEXT, skip_special=st.booleans(), chunks=st.lists(st.integers(1, 4), max_size=5))
+def test_stream_decoder_follows_the_prompt(metaspace_tokenizer, data, answer, skip_special, chunks):
+    """On a tokenizer whose first token's leading space depends on context and which spells characters
+    it lacks in byte tokens (an emoji is 4-8 of them), the streamed text is the output's text in the
+    context of the prompt."""
+    tok = metaspace_tokenizer
+    prompt = data.draw(st.lists(st.integers(0, 2) | st.integers(259, tok.vocab_size - 1), max_size=8))
+    output = tok.encode(answer, add_special_tokens=False) + data.draw(st.lists(st.integers(0, 2), max_size=2))
+    detokenizer = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special)
+    stream(detokenizer, output, chunks)
+    before = tok.decode(prompt, skip_special_tokens=skip_special)
+    full = tok.decode(prompt + output, skip_special_tokens=skip_special)
+    assert full.startswith(before)
+    assert detokenizer.text == full[len(before) :]

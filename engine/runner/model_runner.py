@@ -47,6 +47,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU
     logits: torch.Tensor | None = None  # sampling deferred: the rows' logits, until sample()
     rows: list[SamplerRow] | None = None  # sampling deferred: the rows as they were at launch
+    mask: StepMask | None = None  # the grammar mask it was sampled under: which tokens it allowed
 
     def row_of(self) -> dict[int, int]:
         return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
@@ -256,6 +257,7 @@ class ModelRunner:
         """Enqueue the sampling of a launched step's logits (and the copy of its tokens to the host)."""
         logits, rows = step.logits, step.rows
         step.logits = step.rows = None
+        step.mask = mask
         out = self.sampler(logits, rows, mask)
         step.token_ids = out.token_ids
         device_out = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
