@@ -8,6 +8,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
 from server.chat import ChatOptions, OutputParser, plan_tools, template_messages, with_defaults
+from server.config import ServerConfig
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +44,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.ratelimit import RateLimiter
+from server.responses import ResponseObject, ResponsesAPI, ResponsesError, ResponsesRequest, ResponseStore
 from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, engine_requests, sse_events
 
 log = logging.getLogger("pagoda.server")
@@ -60,6 +63,7 @@ class ServerSettings:
     max_waiting_requests: int | None = None  # None: unbounded
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # default: no limits
     chat: ChatOptions = field(default_factory=ChatOptions)  # tools, reasoning, template, generation defaults
+    max_stored_responses: int = ServerConfig.max_stored_responses  # /v1/responses kept for previous_response_id
 
 
 class APIError(Exception):
@@ -94,6 +98,8 @@ def as_api_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, InvalidParameter):
         return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, ResponsesError):
+        return APIError(exc.status, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, QueueTimeout):
         return APIError(
             503, str(exc), "server_error", code="queue_timeout", headers={"Retry-After": str(_RETRY_AFTER_S)}
@@ -251,8 +257,10 @@ class _Server:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        param: str = "messages",
     ) -> list[int]:
-        """The templated prompt's token ids (call it in the tokenizer thread)."""
+        """The templated prompt's token ids (call it in the tokenizer thread); `param` names the messages'
+        field in the request, for an error."""
         conversation = template_messages(messages)
         try:
             return self.tokenizer.apply_chat_template(
@@ -263,7 +271,7 @@ class _Server:
                 **(template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param=param) from None
 
     def ends_in_reasoning(self, prompt: list[int]) -> bool:
         """Whether the rendered prompt leaves a <think> block open (the template opened it)."""
@@ -331,7 +339,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _on_error(request: Request, exc: Exception) -> Response:
         return as_api_error(exc).response()
 
-    for exc_type in (APIError, InvalidParameter, EngineDeadError, QueueTimeout):
+    for exc_type in (APIError, InvalidParameter, ResponsesError, EngineDeadError, QueueTimeout):
         app.add_exception_handler(exc_type, _on_error)
 
     @app.get("/health")
@@ -464,12 +472,36 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return Generation(request, engine, requests, server.admission, server.metrics)
 
     def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:
-        events = sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body())
-        # no-cache and no proxy buffering: each event must reach the client when it is made.
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return sse_response(sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body()))
+
+    responses = ResponsesAPI(
+        server, start, lambda exc: as_api_error(exc).body().error, ResponseStore(settings.max_stored_responses)
+    )
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        result = await responses.create(body, request)
+        return json_response(result) if isinstance(result, ResponseObject) else sse_response(result)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+        return json_response(responses.retrieve(response_id, stream))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return json_response(responses.delete(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        raise responses.cancel_refusal(response_id)
 
     return app
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    # no-cache and no proxy buffering: each event must reach the client when it is made.
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 def _echo_texts(tokenizer, prompt: str | list, prompts: list[list[int]]) -> list[str]:

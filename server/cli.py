@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /metrics, /version). Flags are named as vllm serve names "
-        "them. SIGTERM (or Ctrl-C) stops taking requests, lets the ones in flight finish within "
+        "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, /version). Flags are named as vllm "
+        "serve names them. SIGTERM (or Ctrl-C) stops taking requests, lets the ones in flight finish within "
         "--shutdown-timeout, and exits 0.",
     )
     model = _model_field()
@@ -294,6 +294,7 @@ def serve_command(args: argparse.Namespace) -> int:
             http.max_waiting_requests,
             RateLimiter(http.rate_limit_requests_per_minute, http.rate_limit_tokens_per_minute),
             ChatOptions.from_config(http, engine.engine.model_dir),
+            http.max_stored_responses,
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take

@@ -65,6 +65,13 @@ class ServerConfig:
         min=0,
         default_help="unbounded",
     )
+    max_stored_responses: int = knob(
+        1000,
+        "at most N finished /v1/responses responses kept in memory (those with store=true) for "
+        "previous_response_id and GET /v1/responses/{id}; beyond it the least recently used is dropped",
+        min=0,
+        metavar="N",
+    )
     enable_auto_tool_choice: bool = knob(
         False, 'tool_choice "auto": parse the tool calls the model writes (needs --tool-call-parser)'
     )

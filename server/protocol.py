@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.sampling_params import Constraint, InvalidParameter, SamplingParams
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """A request body, or a part of one: unknown fields are refused and null means absent."""
+
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
@@ -25,7 +27,7 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
@@ -49,7 +51,7 @@ class ToolCallIn(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: str  # checked when the prompt is built, so an unknown role gets a clear answer
     content: str | list[ContentPart] | None = None  # None: an assistant message of tool calls only
     name: str | None = None
@@ -58,7 +60,7 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None  # assistant: reasoning sent back (templates may show or drop it)
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestBody):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -67,12 +69,12 @@ class JsonSchemaFormat(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(RequestBody):
     """vLLM's `structured_outputs` request field: exactly one of these constrains the output."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -85,28 +87,28 @@ class StructuredOutputs(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestBody):
     """Parameters shared by chat and completions, including vLLM's extras (sent via extra_body)."""
 
     model: str | None = None
@@ -299,7 +301,7 @@ class CompletionRequest(_GenerationRequest):
         return None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -309,7 +311,7 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
