@@ -20,6 +20,7 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepStats
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request, RequestOutput
 
@@ -108,7 +109,7 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         queue_timeout: float | None = None,
     ) -> Request:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.pooling_params import POOLING_TYPES
+
 # No torch here: `pagoda --help` builds its flags from this module and should not wait for torch to load.
 
 # The dtype names taken, and the torch dtype each stands for.
@@ -107,6 +109,13 @@ class EngineConfig:
         "CPU the same cores do both and nothing overlaps",
         default_help="on with CUDA, off on the CPU",
     )
+    pooling_type: str = knob(
+        "last",
+        "how embedding requests (/v1/embeddings, LLM.embed) pool the prompt's final hidden states: last (the "
+        "last token's, the usual choice for decoder-only models) or mean (the average over the prompt)",
+        choices=POOLING_TYPES,
+    )
+    normalize: bool = knob(True, "L2-normalize embeddings, so that a dot product is the cosine similarity")
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -125,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if self.attention_backend not in ("auto", *BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {self.attention_backend!r}"

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -33,8 +34,15 @@ def frozen_heap():
         gc.unfreeze()
 
 
+def _prompt_list(prompts: str | list[str] | list[list[int]] | list[int]) -> list[str] | list[list[int]]:
+    """One prompt (text or token ids) or a list of them, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
+
+
 class LLM:
-    """Offline batch generation, shaped like vLLM's `LLM`."""
+    """Offline batch generation and embedding, shaped like vLLM's `LLM`."""
 
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -52,8 +60,7 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -66,6 +73,22 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[list[int]] | list[int],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (text or token ids): each output's `embedding`, in the order of `prompts`.
+        Unset pooling params take the engine's --pooling-type and --normalize."""
+        params = pooling_params or PoolingParams()
+        ids = []
+        for prompt in _prompt_list(prompts):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
+from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, Scheduler
@@ -130,7 +131,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         queue_timeout: float | None = None,
@@ -142,7 +143,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         queue_timeout: float | None = None,
@@ -151,7 +152,10 @@ class LLMEngine:
         cannot be served. It reads no scheduling state, so another thread may call it (AsyncEngine's callers do).
 
         A request still waiting for its first scheduling `queue_timeout` seconds after arrival
-        (default: the config's `queue_timeout`) finishes with finish_reason "timeout"."""
+        (default: the config's `queue_timeout`) finishes with finish_reason "timeout".
+
+        With PoolingParams it is an embedding request: its prompt is computed like any other and pooled
+        into RequestOutput.embedding; nothing is sampled."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: give the prompt as token ids")
@@ -159,7 +163,11 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self.check_request(token_ids, params)
-        request = Request(request_id, text, token_ids, params, priority=priority)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = params.resolved(self.config.pooling_type, self.config.normalize)
+            params = SamplingParams()
+        request = Request(request_id, text, token_ids, params, priority=priority, pooling=pooling)
         if params.constraint is not None:
             request.grammar = self.compile_constraint(params)
         if arrival_time is not None:
@@ -177,7 +185,7 @@ class LLMEngine:
         self.scheduler.add(self._new_sequence(request, 0))
         return request
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise InvalidParameter (naming the param) if this prompt and params cannot be served."""
         if not token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
@@ -185,6 +193,13 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if isinstance(params, PoolingParams):  # nothing is generated: the prompt may fill the context
+            if len(token_ids) > self.max_model_len:
+                raise InvalidParameter(
+                    "prompt",
+                    f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}",
+                )
+            return
         if len(token_ids) >= self.max_model_len:
             raise InvalidParameter(
                 "prompt",
@@ -228,7 +243,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request, index, seed, list(request.prompt_token_ids))
         if request.params.logprobs is not None:
             seq.logprobs = []
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and request.pooling is None:
             from engine.tokenizer import IncrementalDetokenizer
 
             seq.detokenizer = IncrementalDetokenizer(
@@ -251,6 +266,12 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+                self.runner.pooler.forget(seq.seq_id)
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size: the length of its embeddings."""
+        return self.runner.model.config.hidden_size
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -346,6 +367,7 @@ class LLMEngine:
         results = self.runner.collect(step.launched)
         refused = self._advance_matchers(step.launched, results.token_ids)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
+        touched += self._finish_pooled(step.launched)
         now = time.monotonic()
         outputs = []
         for request in touched:
@@ -374,6 +396,17 @@ class LLMEngine:
             if token in self.eos_token_ids:
                 seq.matcher = None
         return refused
+
+    def _finish_pooled(self, launched: LaunchedStep) -> list[Request]:
+        """Finish the embedding requests whose prompts completed in a step, each with its vector."""
+        if launched.pooled is None:
+            return []
+        finished = []
+        for seq, embedding in self.runner.pooler.collect(launched.pooled):
+            if not seq.is_finished:  # else aborted while the step ran
+                self.scheduler.pooled(seq, embedding)
+                finished.append(seq.request)
+        return finished
 
     def _with_occupancy(self, stats: StepStats) -> StepStats:
         bm, sched = self.block_manager, self.scheduler

@@ -29,9 +29,14 @@ class ScheduledSeq:
     num_new_tokens: int
 
     @property
-    def samples(self) -> bool:
-        """After this step every token of the sequence is computed, so it samples the next one."""
+    def completes(self) -> bool:
+        """After this step every token of the sequence is computed."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """The sequence samples its next token after this step (an embedding request pools instead)."""
+        return self.completes and self.seq.request.pooling is None
 
 
 @dataclass
@@ -157,7 +162,7 @@ class Scheduler:
         for seq in self.waiting:
             if seats + seq.num_seqs_when_running > self.max_num_seqs:
                 break
-            seq.num_computed_tokens = bm.take_cached_prefix(seq)
+            seq.num_computed_tokens = 0 if seq.request.pools_every_token else bm.take_cached_prefix(seq)
             num_new = self._chunk(seq, budget)
             deferred = self._next_block_in_flight(seq, in_flight)
             if deferred or num_new == 0 or not bm.can_allocate(seq, num_new):
@@ -268,6 +273,12 @@ class Scheduler:
         seq.finish_reason = reason
 
     # ----- updates from a step -----
+
+    def pooled(self, seq: Sequence, embedding: list[float]) -> None:
+        """An embedding request's prompt has run: it ends with its pooled vector and gives its blocks back
+        (its full blocks stay in the prefix cache)."""
+        seq.embedding = embedding
+        self.finish(seq, "stop")
 
     def fork(self, parent: Sequence, children: list[Sequence], num_new_tokens: int) -> None:
         """n > 1: `children` join `parent` as it completes its prompt this step, sharing its blocks."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a token id sampled by a step still on the device (async scheduling), not read yet
@@ -52,6 +53,7 @@ class Sequence:
     matcher: object | None = None  # xgrammar GrammarMatcher of a constrained request (engine/structured.py)
     num_preemptions: int = 0
     num_pending: int = 0  # trailing token_ids that are PLACEHOLDERs: sampled on the device, not read yet
+    embedding: list[float] | None = None  # an embedding request's pooled vector, once its prompt has run
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,9 +104,10 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # of an embedding request, a stand-in with n = 1: it samples nothing
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    pooling: PoolingParams | None = None  # set (defaults resolved): an embedding request, which pools its prompt
     seqs: list[Sequence] = field(default_factory=list)
     queue_deadline: float | None = None  # finish with "timeout" if not scheduled by then
     grammar: object | None = None  # the compiled params.constraint (xgrammar CompiledGrammar)
@@ -117,6 +120,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+
+    @property
+    def pools_every_token(self) -> bool:
+        """Mean pooling: the hidden state of every prompt token counts, so none may come from the prefix cache."""
+        return self.pooling is not None and self.pooling.pooling_type == "mean"
 
     @property
     def is_finished(self) -> bool:
@@ -147,7 +155,8 @@ class RequestTimes:
 
 @dataclass
 class RequestOutput:
-    """A snapshot of a request: cumulative text and tokens of each of its n outputs."""
+    """A snapshot of a request: cumulative text and tokens of each of its n outputs; of an embedding
+    request, its vector (`embedding`, once finished) and one empty output."""
 
     request_id: str
     prompt: str | None
@@ -155,6 +164,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     times: RequestTimes | None = None
+    embedding: list[float] | None = None
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -172,4 +182,7 @@ class RequestOutput:
         times = RequestTimes(
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time
         )
-        return cls(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished, times)
+        embedding = request.seqs[0].embedding if request.pooling is not None else None
+        return cls(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished, times, embedding
+        )

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
 from server.chat import ChatOptions, OutputParser, plan_tools, template_messages, with_defaults
@@ -36,6 +37,7 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ErrorBody,
     ErrorInfo,
     ModelCard,
@@ -230,17 +232,18 @@ class _Server:
                 headers={"Retry-After": str(_RETRY_AFTER_S)},
             )
 
-    def charge(self, request: Request, prompts: list[list[int]], params: SamplingParams) -> None:
+    def charge(self, request: Request, prompts: list[list[int]], params: SamplingParams | PoolingParams) -> None:
         """Rate limits, per client: its API key, or its address when it sends none."""
         limiter = self.settings.rate_limiter
         if not limiter.enabled:
             return
         client = request.headers.get("authorization") or (request.client.host if request.client else "unknown")
         max_len = self.engine.max_model_len
-        tokens = sum(
-            len(p) + params.n * (params.max_tokens if params.max_tokens is not None else max_len - len(p))
-            for p in prompts
-        )
+        tokens = sum(map(len, prompts))
+        if isinstance(params, SamplingParams):  # an embedding request generates nothing
+            tokens += sum(
+                params.n * (params.max_tokens if params.max_tokens is not None else max_len - len(p)) for p in prompts
+            )
         wait, limit = limiter.acquire(client, tokens)
         if wait > 0:
             raise APIError(
@@ -284,12 +287,15 @@ class _Server:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self.grammar_pool, self.engine.engine.compile_constraint, params)
 
-    def text_prompts(self, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
-        """Completions' prompt in any of its four shapes, as token id lists (call it in the tokenizer thread)."""
+    def text_prompts(
+        self, prompt: str | list, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[list[int]]:
+        """Completions' prompt (or embeddings' input, `param`) in any of its four shapes, as token id lists
+        (call it in the tokenizer thread)."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
+            raise APIError(400, f"{param} is empty", param=param)
         if isinstance(prompt[0], int):
             return [list(prompt)]
         if isinstance(prompt[0], list):
@@ -463,7 +469,32 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         outputs = {i: out async for i, out in generation.outputs()}
         return json_response(render.completion(job, outputs, server.strings))
 
-    def start(request: Request, job: render.Job, params: SamplingParams, priority: int) -> Generation:
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        size = engine.engine.hidden_size
+        if body.dimensions is not None and body.dimensions != size:
+            raise APIError(
+                400,
+                f"dimensions must be {size}, the hidden size of this model, whose embeddings cannot be shortened "
+                f"(got {body.dimensions})",
+                param="dimensions",
+            )
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        empty = next((i for i, text in enumerate(texts) if text == ""), None)
+        if empty is not None:  # OpenAI refuses them too, whatever a tokenizer would make of one
+            where = "input" if isinstance(body.input, str) else f"input[{empty}]"
+            raise APIError(400, f"{where} is an empty string", param="input")
+        prompts = await server.in_thread(server.text_prompts, body.input, True, "input")
+        job = render.Job(f"embd-{uuid.uuid4().hex}", int(time.time()), server.model_name, prompts, 1, False)
+        try:
+            generation = start(request, job, PoolingParams(), 0)
+        except InvalidParameter as exc:
+            raise InvalidParameter("input" if exc.param == "prompt" else exc.param, str(exc)) from None
+        outputs = {i: out async for i, out in generation.outputs()}
+        return json_response(render.embeddings(job, outputs, body.encoding_format))
+
+    def start(request: Request, job: render.Job, params: SamplingParams | PoolingParams, priority: int) -> Generation:
         # Every prompt is validated here, once (the engine does not check again), and before anything is
         # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
         requests = engine_requests(engine, job.id, job.prompts, params, priority)

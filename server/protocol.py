@@ -301,6 +301,14 @@ class CompletionRequest(_GenerationRequest):
         return None
 
 
+class EmbeddingRequest(RequestBody):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # accepted only as the model's hidden size: pagoda does not shorten vectors
+    user: str | None = None
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
@@ -445,6 +453,24 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(None, exclude_if=_omit_none)  # absent on streamed chunks
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the little-endian float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -6,6 +6,9 @@ choice, how much it has sent and sends the rest.
 
 from __future__ import annotations
 
+import array
+import base64
+import sys
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -26,6 +29,9 @@ from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    Embedding,
+    EmbeddingList,
+    EmbeddingUsage,
     TopLogprob,
     Usage,
 )
@@ -135,6 +141,25 @@ def completion(job: Job, outputs: dict[int, RequestOutput], strings: TokenString
                 )
             )
     return Completion(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage(outputs))
+
+
+def embeddings(job: Job, outputs: dict[int, RequestOutput], encoding_format: str) -> EmbeddingList:
+    data = [
+        Embedding(index=i, embedding=_base64(out.embedding) if encoding_format == "base64" else out.embedding)
+        for i, out in sorted(outputs.items())
+    ]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs.values())
+    return EmbeddingList(
+        data=data, model=job.model, usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+    )
+
+
+def _base64(vector: list[float]) -> str:
+    """float32 values, little-endian, in base64: what the openai SDK decodes (numpy's float32 or array('f'))."""
+    values = array.array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return base64.b64encode(values.tobytes()).decode("ascii")
 
 
 @dataclass

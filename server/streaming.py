@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from engine.async_engine import AsyncEngine
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request as EngineRequest
 from engine.sequence import RequestOutput
@@ -45,7 +46,11 @@ class Admission:
 
 
 def engine_requests(
-    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+    engine: AsyncEngine,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams | PoolingParams,
+    priority: int,
 ) -> list[EngineRequest]:
     """The engine requests of one HTTP request, one per prompt, each validated (the only check it gets) and
     none queued: an InvalidParameter for any prompt leaves no other prompt running."""

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, PoolingParams, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sequence import Request, Sequence, SequenceStatus
 
@@ -35,6 +35,8 @@ def check_invariants(engine: LLMEngine) -> None:
             assert s.block_table == [] and s.num_computed_tokens == 0
         if s.status is SequenceStatus.SWAPPED:
             assert s.block_table == []
+    # Running sums of mean pooling belong to live sequences only.
+    assert set(engine.runner.pooler.sums) <= {s.seq_id for s in live}
     sched = engine.scheduler
     assert len(sched.running) <= sched.max_num_seqs
     queues = [sched.running, sched.waiting, sched.swapped]
@@ -89,6 +91,7 @@ request_strategy = st.fixed_dictionaries(
         "abort_at": st.one_of(st.none(), st.integers(0, 30)),
         "arrive_at": st.integers(0, 10),
         "temperature": st.sampled_from([0.0, 1.0]),
+        "pooling": st.sampled_from([None, None, "last", "mean"]),  # an embedding request, or a generating one
     }
 )
 
@@ -123,6 +126,8 @@ def test_random_workloads_finish_and_free_everything(
                 ignore_eos=True,
                 seed=i,
             )
+            if r["pooling"] is not None:
+                params = PoolingParams(pooling_type=r["pooling"])
             engine.add_request(
                 f"r{i}",
                 [(r["family"] * 7 + j) % 500 + 1 for j in range(r["prompt_len"])],
@@ -145,6 +150,9 @@ def test_random_workloads_finish_and_free_everything(
     for i, r in enumerate(requests):
         out = finished[f"r{i}"]
         if out == "aborted":
+            continue
+        if r["pooling"] is not None:
+            assert len(out.embedding) == engine.hidden_size and out.outputs[0].finish_reason == "stop"
             continue
         assert len(out.outputs) == min(r["n"], max_num_seqs)
         for o in out.outputs:

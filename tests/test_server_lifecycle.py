@@ -54,7 +54,7 @@ def test_api_key_is_required_except_on_health_and_metrics(server):
         with pytest.raises(openai.AuthenticationError) as err:
             client_for(server, key).models.list()
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
-    for path in ("/tokenize", "/detokenize", "/v1/completions"):  # no Authorization header at all
+    for path in ("/tokenize", "/detokenize", "/v1/completions", "/v1/embeddings"):  # no Authorization header at all
         r = httpx.post(f"{server.url}{path}", json={})
         assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": KEY}).status_code == 401  # no Bearer
@@ -64,6 +64,7 @@ def test_api_key_is_required_except_on_health_and_metrics(server):
     assert [m.id for m in good.models.list().data] == [NAME]
     out = good.chat.completions.create(model=NAME, messages=FRANCE, temperature=0, max_tokens=3)
     assert out.choices[0].message.content == "The capital of"
+    assert len(good.embeddings.create(model=NAME, input="Hi").data[0].embedding) == 576
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):

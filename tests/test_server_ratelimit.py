@@ -57,6 +57,15 @@ def test_over_the_token_limit_answers_429(server):
     assert 1 <= float(err.value.response.headers["Retry-After"]) <= 61
 
 
+def test_an_embedding_request_is_charged_its_input_tokens_only(server):
+    dave = client(server, "dave")
+    text = "hello " * 250  # ~250 tokens: two fit in the 600-token bucket only if nothing is charged for output
+    for _ in range(2):
+        assert dave.embeddings.create(model="SmolLM2-135M-Instruct", input=text).usage.prompt_tokens < 300
+    with pytest.raises(openai.RateLimitError):  # the third is over the request limit
+        dave.embeddings.create(model="SmolLM2-135M-Instruct", input=text)
+
+
 def test_buckets_refill_over_time():
     limiter = RateLimiter(requests_per_minute=60, tokens_per_minute=None)
     assert limiter.acquire("k", 1, now=0.0) == (0.0, None)

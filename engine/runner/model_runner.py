@@ -16,6 +16,7 @@ from engine.layers.linear import can_prepack, prepack_linears
 from engine.loader import head_dim_of, load_model, read_hf_config
 from engine.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.runner.kv_cache import KVCache, blocks_that_fit_on_gpu
+from engine.runner.pooler import PooledRows, Pooler
 from engine.runner.step_inputs import attention_metadata, placeholders, step_inputs, upload
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -48,6 +49,7 @@ class LaunchedStep:
     logits: torch.Tensor | None = None  # sampling deferred: the rows' logits, until sample()
     rows: list[SamplerRow] | None = None  # sampling deferred: the rows as they were at launch
     mask: StepMask | None = None  # the grammar mask it was sampled under: which tokens it allowed
+    pooled: PooledRows | None = None  # the vectors of embedding requests whose prompts completed
 
     def row_of(self) -> dict[int, int]:
         return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
@@ -74,6 +76,7 @@ class ModelRunner:
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
+        self.pooler = Pooler(self.device)
         self.kv_cache = KVCache(
             self.model.attention_layers(), config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
@@ -213,7 +216,11 @@ class ModelRunner:
         if previous is not None:
             fill = placeholders(inputs, previous.row_of(), previous.token_ids, self.device)
         rows = [row for _, row in sampling]
-        if self.graphs is not None and inputs.decode_only and self.graphs.fits(len(inputs.seqs)):
+        pooling = [i for i, item in enumerate(scheduled) if item.seq.request.pooling is not None]
+        pooled = None
+        # Pooling needs the hidden states, which a decode graph does not return (an embedding prompt's
+        # one-token chunk can make a step look decode-only).
+        if self.graphs is not None and inputs.decode_only and not pooling and self.graphs.fits(len(inputs.seqs)):
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.tables, fill)
             if rows != list(range(len(inputs.seqs))):  # n > 1 children read their parent's row
                 logits = logits[upload(np.asarray(rows), self.device)]
@@ -228,13 +235,15 @@ class ModelRunner:
                 if fill is not None:
                     input_ids[fill[0]] = fill[1]
                 hidden = self.model(input_ids, upload(inputs.positions, self.device), meta)
+            if pooling:
+                pooled = self.pooler.pool(hidden, scheduled, inputs.ends, pooling)
             logits = None
             if sampling:
                 logits = self.model.compute_logits(hidden[upload(inputs.ends[rows] - 1, self.device)])
         if not sampling:
-            return LaunchedStep([])
+            return LaunchedStep([], pooled=pooled)
         # The rows are taken now: a deferred sampling runs after the scheduler has counted this step.
-        step = LaunchedStep(sampling, logits=logits, rows=self._sampler_rows(sampling))
+        step = LaunchedStep(sampling, logits=logits, rows=self._sampler_rows(sampling), pooled=pooled)
         if not defer_sampling:
             self.sample(step, mask)
         return step
