@@ -8,12 +8,13 @@
 # imports), pagoda runs take xgrammar from those instead; the version is in each row.
 set -u
 SITE=${VB_SITE:-/root/vb_site}
+PAGODA_SITE=$SITE
 if [ -n "${XGR_WHEELS:-}" ]; then
   mkdir -p /tmp/xgr_site
   for w in "$XGR_WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/xgr_site; done
-  SITE=/tmp/xgr_site:$SITE
+  PAGODA_SITE=/tmp/xgr_site:$SITE
 fi
-export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD:$PAGODA_SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export OUT=${OUT:-/tmp/structured}
 MODEL=/tmp/structured-model
@@ -24,7 +25,8 @@ runs=${*:-pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain}
 for r in $runs; do
   engine=${r%-plain}; flag=; [ "$r" != "$engine" ] && flag=--plain
   echo "=== $r $(date +%T)"
-  timeout ${RUN_TIMEOUT:-300} python3 bench/structured.py run $MODEL --engine $engine $flag 2>&1 \
+  path=$PWD:$PAGODA_SITE; [ "$engine" = vllm ] && path=$PWD:$SITE  # vLLM with its own site's packages
+  PYTHONPATH=$path timeout ${RUN_TIMEOUT:-300} python3 bench/structured.py run $MODEL --engine $engine $flag 2>&1 \
     | grep -v -E 'it/s\]|s/it\]|shutdown' | tail -${LOG_LINES:-4}
 done
 cat $OUT/structured.jsonl

@@ -152,3 +152,77 @@ def test_no_triton_kernel_compiles_after_start_up(mode):
     if mode == "eager":
         compiled = {k: n for k, n in compiled.items() if not k.endswith(("._decode_kernel", "._decode_reduce_kernel"))}
     assert compiled == {}
+
+
+@pytest.fixture(scope="module")
+def json_model_dir(tmp_path_factory):
+    """A tiny random Llama with a small byte-level BPE tokenizer (every byte a token, so any JSON can be
+    spelled) and an end-of-sequence token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from tests.conftest import TINY
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tok.train_from_iterator(['{"name": "Ada", "age": 36, "tags": ["x", "yz"]}', "hello world"] * 50, trainer)
+    path = tmp_path_factory.mktemp("json-llama")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    config = LlamaConfig(**{**TINY, "vocab_size": tok.get_vocab_size()}, eos_token_id=tok.token_to_id("<eos>"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_constrained_rows_with_async_scheduling_and_graphs_match_masked_transformers(json_model_dir):
+    """JSON-schema rows beside free rows, under async scheduling with the decode graphs (their sampling
+    deferred, the next step staged before it): each constrained output equals transformers' greedy
+    with the same grammar's mask applied token by token, and each free one transformers' plain greedy."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampling_params import Constraint
+    from engine.structured import apply_mask
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "age"],
+    }
+    constraint = Constraint("json", json.dumps(schema))
+    llm = LLM(str(json_model_dir), dtype="float32", device="cuda", attention_backend="triton", async_scheduling=True)
+    assert llm.engine.runner.graphs is not None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in (5, 12, 30, 7, 18, 3, 25, 9)]
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, constraint=constraint)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = [constrained if i % 2 == 0 else free for i in range(len(prompts))]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(json_model_dir, dtype=torch.float32).to("cuda").eval()
+    grammars = llm.engine.grammars
+    compiled = grammars.compile(constraint)
+    eos = llm.engine.eos_token_ids
+    for prompt, p, out in zip(prompts, params, outs):
+        matcher = grammars.matcher(compiled) if p.constraint is not None else None
+        ids, expected = list(prompt), []
+        for _ in range(40):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids], device="cuda")).logits[:, -1].float().cpu()
+            if matcher is not None:
+                apply_mask(logits, grammars.fill([(0, matcher)]))
+            token = int(logits.argmax())
+            if matcher is not None:
+                assert matcher.accept_token(token)
+                if token in eos:
+                    matcher = None  # the grammar has ended; ignore_eos runs on unconstrained
+            expected.append(token)
+            ids.append(token)
+        assert out == expected
+    assert any(token in eos for out in outs[::2] for token in out)  # some grammar ran to its end
