@@ -33,6 +33,10 @@ class StepStats:
     num_swapped_out: int = 0  # of num_preempted, those swapped to the CPU pool
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hit_tokens: int = 0  # of those, found (their prefill skipped)
+    # Speculative decoding's (the hook for engine/spec_decode/, not built yet: always 0 until then).
+    num_drafts: int = 0  # sequences that had a draft verified this step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # of the draft tokens, those the target model accepted
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0

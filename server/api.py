@@ -30,7 +30,7 @@ from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
 from server.chat import ChatOptions, OutputParser, plan_tools, template_messages, with_defaults
 from server.config import ServerConfig
-from server.metrics import Metrics
+from server.metrics import Metrics, cache_config_labels
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -66,6 +66,10 @@ class ServerSettings:
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # default: no limits
     chat: ChatOptions = field(default_factory=ChatOptions)  # tools, reasoning, template, generation defaults
     max_stored_responses: int = ServerConfig.max_stored_responses  # /v1/responses kept for previous_response_id
+    metrics_prefix: str = ServerConfig.metrics_prefix
+    # An opentelemetry TracerProvider: a span per request goes to it (server/tracing.py). None: no tracing,
+    # and opentelemetry is never imported.
+    tracer_provider: Any = None
 
 
 class APIError(Exception):
@@ -197,7 +201,18 @@ class _Server:
         self.tokenizer = engine.tokenizer
         self.settings = settings
         self.model_name = settings.served_model_names[0]
-        self.metrics = Metrics(self.model_name, engine.engine.config.max_num_batched_tokens)
+        self.metrics = Metrics(
+            self.model_name,
+            engine.engine.config.max_num_batched_tokens,
+            engine.max_model_len,
+            settings.metrics_prefix,
+        )
+        self.metrics.set_cache_config(cache_config_labels(engine.engine))
+        self.tracer = None
+        if settings.tracer_provider is not None:
+            from server.tracing import RequestTracer
+
+            self.tracer = RequestTracer(settings.tracer_provider, self.model_name)
         self.admission = Admission(settings.max_waiting_requests)
         self.strings = render.TokenStrings(self.tokenizer)
         # Tokenizing and templating run here, off the event loop, so a long prompt never stalls the
@@ -500,7 +515,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         requests = engine_requests(engine, job.id, job.prompts, params, priority)
         server.admit()
         server.charge(request, job.prompts, params)
-        return Generation(request, engine, requests, server.admission, server.metrics)
+        return Generation(request, engine, requests, server.admission, server.metrics, server.tracer)
 
     def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:
         return sse_response(sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body()))

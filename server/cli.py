@@ -295,6 +295,8 @@ def serve_command(args: argparse.Namespace) -> int:
             RateLimiter(http.rate_limit_requests_per_minute, http.rate_limit_tokens_per_minute),
             ChatOptions.from_config(http, engine.engine.model_dir),
             http.max_stored_responses,
+            http.metrics_prefix,
+            _tracer_provider(http.otlp_traces_endpoint),
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
@@ -316,7 +318,22 @@ def serve_command(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
     asyncio.run(_serve(server, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
+    if settings.tracer_provider is not None:
+        settings.tracer_provider.shutdown()  # sends the spans still batched
     return 0 if engine.error is None else 1
+
+
+def _tracer_provider(endpoint: str | None):
+    """The OTLP span exporter's TracerProvider for --otlp-traces-endpoint; None (nothing imported) without it."""
+    if endpoint is None:
+        return None
+    try:
+        from server.tracing import otlp_provider
+    except ImportError as exc:
+        raise SystemExit(
+            f"pagoda serve: --otlp-traces-endpoint needs OpenTelemetry (pip install 'pagoda[otel]'): {exc}"
+        ) from None
+    return otlp_provider(endpoint)
 
 
 async def _serve(server, name: str, capacity: int, max_model_len: int, http, api_key_required: bool) -> None:

@@ -103,6 +103,19 @@ class ServerConfig:
         "repetition_penalty for requests that omit them; vllm: ignore it; or a folder holding one",
         metavar="auto|vllm|DIR",
     )
+    metrics_prefix: str = knob(
+        "pagoda",
+        "the prefix of every /metrics series but process_*: vllm exports them as vLLM does (vllm:...), so a vLLM "
+        "dashboard or autoscaler works unchanged",
+        metavar="PREFIX",
+    )
+    otlp_traces_endpoint: str | None = knob(
+        None,
+        "send a trace span per request (llm_request, with vLLM's gen_ai.* attributes) to this OpenTelemetry "
+        "collector over OTLP/HTTP, e.g. http://localhost:4318/v1/traces (needs pip install 'pagoda[otel]')",
+        metavar="URL",
+        default_help="no tracing",
+    )
     shutdown_timeout: float = knob(30.0, "on SIGTERM, seconds to let in-flight requests finish before they are cut")
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)
     disable_uvicorn_access_log: bool = knob(False, "no log line per HTTP request")

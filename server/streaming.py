@@ -7,7 +7,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -18,6 +18,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Request as EngineRequest
 from engine.sequence import RequestOutput
 from server.metrics import Metrics, RequestTracker
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from server.tracing import RequestTracer
 
 log = logging.getLogger("pagoda.server")
 
@@ -63,11 +66,12 @@ def engine_requests(
 class _Prompt:
     """One engine request of a Generation, and the sink its outputs arrive at (on the event loop)."""
 
-    def __init__(self, generation: Generation, index: int, engine_id: str, tracker: RequestTracker):
+    def __init__(self, generation: Generation, index: int, request: EngineRequest, tracker: RequestTracker):
         self.generation = generation
         self.loop = generation.loop
         self.index = index
-        self.engine_id = engine_id
+        self.engine_id = request.request_id
+        self.params = request.params
         self.tracker = tracker
         self.queued = True  # counted in Admission until its first output (or its end)
         self.done = False  # no more outputs will come, or none are wanted
@@ -93,17 +97,20 @@ class Generation:
         requests: list[EngineRequest],
         admission: Admission,
         metrics: Metrics,
+        tracer: RequestTracer | None = None,
     ):
-        """Queue `requests` (from engine_requests(), in prompt order) and follow their outputs."""
+        """Queue `requests` (from engine_requests(), in prompt order) and follow their outputs; `tracer`
+        records a span of each that finishes."""
         self.loop = asyncio.get_running_loop()
+        self._http_request = http_request
+        self._tracer = tracer
         self._engine = engine
         self._admission = admission
         # (prompt index, RequestOutput | exception | _DISCONNECTED) in arrival order.
         self._ready: deque[tuple[int, object]] = deque()
         self._waiter: asyncio.Future | None = None
         self._prompts = [
-            _Prompt(self, i, request.request_id, RequestTracker(metrics, request.params.n))
-            for i, request in enumerate(requests)
+            _Prompt(self, i, request, RequestTracker(metrics, request.params.n)) for i, request in enumerate(requests)
         ]
         self._remaining = len(requests)
         admission.queued += len(requests)
@@ -126,6 +133,8 @@ class Generation:
                 prompt.tracker.on_output(item)
                 self._push(prompt.index, item)
                 if item.finished:
+                    if self._tracer is not None:
+                        self._tracer.record(item, prompt.params, self._http_request.headers)
                     self._end(prompt)
                 return
         if isinstance(item, BaseException):

@@ -581,6 +581,14 @@ def test_metrics_parse_and_move_with_requests(server, client):
         "inter_token_latency_seconds_count",
         "e2e_request_latency_seconds_count",
         "request_queue_time_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count",
+        "request_time_per_output_token_seconds_count",
+        "time_per_output_token_seconds_count",
+        "request_prompt_tokens_count",
+        "request_generation_tokens_count",
+        "cache_config_info",
     ):
         assert f"pagoda:{family}" in names, family
     text = httpx.get(f"{server.url}/metrics").text
@@ -601,6 +609,10 @@ def test_metrics_parse_and_move_with_requests(server, client):
     assert moved("pagoda:request_queue_time_seconds_count") == 1
     assert moved("pagoda:e2e_request_latency_seconds_count") == 1
     assert moved("pagoda:inter_token_latency_seconds_count") == 4
+    assert moved("pagoda:request_prompt_tokens_sum") == out.usage.prompt_tokens
+    assert moved("pagoda:request_generation_tokens_sum") == 5
+    for phase in ("prefill", "decode", "inference"):
+        assert moved(f"pagoda:request_{phase}_time_seconds_count") == 1
     assert moved("pagoda:iteration_tokens_total_count") == 5  # a prefill step, then 4 decode steps
     assert moved("pagoda:iteration_tokens_total_sum") == out.usage.prompt_tokens + 4
     assert after[("pagoda:num_requests_running", ())] == 0

@@ -69,7 +69,7 @@ class Client:
 
 
 def make(engine: AsyncEngine, client: Client, max_tokens: int, prompts: int = 1) -> tuple[Generation, Job, Metrics]:
-    metrics = Metrics("m", 64)
+    metrics = Metrics("m", 64, 256)
     job = Job("cmpl-1", 1, "m", [PROMPT] * prompts, 1, False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = engine_requests(engine, job.id, job.prompts, params, 0)
