@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 
 BENCH_EXTRA = "pip install -e '.[bench]'"
 
@@ -29,6 +30,9 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # `pagoda` logs at INFO, where httpx and openai log every request: thousands of lines in a benchmark.
+    for name in ("httpx", "httpcore", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if args.benchmark == "throughput":
         from bench import throughput as module
     else:

@@ -10,7 +10,7 @@
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
 (prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set, else
-bench/results/<date>-<device>-<commit>-gpu-check.jsonl).
+bench-results/<date>-<device>-<commit>-gpu-check.jsonl in the repository, which git ignores).
 The FlashAttention peer is the build vLLM ships (vllm.vllm_flash_attn, FA3 on Hopper) or the
 flash-attn package, whichever imports; `kernels` adds flash-attn-4 (flash_attn.cute, carried by
 bench/fa4_h100.sh) as a second peer when it imports.

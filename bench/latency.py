@@ -670,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-prompts",
         type=int,
         default=1000,
-        help="requests per run (with --duration: the pool of prompts cycled through)",
+        help="requests per run (with --duration: the pool of prompts cycled through); default 1000",
     )
     load.add_argument(
         "--duration",

@@ -1,13 +1,15 @@
-"""Default names of benchmark results: bench/results/YYYY-MM-DD-<device>-<commit>-<what>[.ext].
+"""Default names of benchmark results: <results dir>/YYYY-MM-DD-<device>-<commit>-<what>[.ext].
 
-The date is today's, the commit the checked-out short hash, the device a short tag of the hardware
-("h100", "cpu"). Results committed under bench/results/ carry the date and short commit of the commit
-that adds them.
+The results dir is $OUT when set, else ./bench-results under the working directory (which git ignores): a run
+adds nothing to the repository unless told to. The date is today's, the commit the checked-out short hash, the
+device a short tag of the hardware ("h100", "cpu"). Results people commit go under bench/results/ with the same
+names, carrying the date and short commit of the commit that adds them.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -31,7 +33,12 @@ def short_commit() -> str:
     return subprocess.run(git, capture_output=True, text=True, check=False, cwd=ROOT).stdout.strip() or "nogit"
 
 
+def results_dir() -> Path:
+    """$OUT, else bench-results/ under the working directory."""
+    return Path(os.environ.get("OUT") or "bench-results")
+
+
 def results_path(what: str, device: str, ext: str = "jsonl") -> str:
-    """bench/results/<today>-<device tag>-<commit>-<what>[.ext], relative to the working directory."""
+    """<results dir>/<today>-<device tag>-<commit>-<what>[.ext]."""
     name = f"{datetime.date.today().isoformat()}-{device_tag(device)}-{short_commit()}-{what}"
-    return f"bench/results/{name}.{ext}" if ext else f"bench/results/{name}"
+    return str(results_dir() / (f"{name}.{ext}" if ext else name))

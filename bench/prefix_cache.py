@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--mixed-requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument(
-        "--out", default=None, help="default: bench/results/<date>-<device>-<commit>-prefix-cache.jsonl"
+        "--out", default=None, help="default: $OUT or ./bench-results, <date>-<device>-<commit>-prefix-cache.jsonl"
     )
     args = parser.parse_args()
     from engine.loader import read_hf_config

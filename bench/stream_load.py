@@ -193,7 +193,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--base-url", default=None, help="a running server; then no server is started")
     parser.add_argument("--skip-engine-alone", action="store_true")
-    parser.add_argument("--out", default=None, help="default: bench/results/<date>-<device>-<commit>-stream-load.jsonl")
+    parser.add_argument(
+        "--out", default=None, help="default: $OUT or ./bench-results, <date>-<device>-<commit>-stream-load.jsonl"
+    )
     args = parser.parse_args()
 
     prompts = random_prompts(args.concurrency, args.input_len)

@@ -580,7 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--input-lens", type=_int_list, default=None, help=f"default {DEFAULT_INPUT_LENS}")
     sweep.add_argument("--output-lens", type=_int_list, default=None, help=f"default {DEFAULT_OUTPUT_LENS}")
     sweep.add_argument(
-        "--csv", default=None, help="default bench/results/<date>-<device>-<commit>-sweep-<model>.csv (overwritten)"
+        "--csv",
+        default=None,
+        help="default: $OUT or ./bench-results, <date>-<device>-<commit>-sweep-<model>.csv (overwritten)",
     )
     sweep.add_argument("--plot-dir", default=None, help="default: the CSV's path without .csv")
     sweep.add_argument(
@@ -609,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument(
         "--out",
         default=None,
-        help="JSONL to append to (default bench/results/<date>-<device>-<commit>-throughput.jsonl)",
+        help="JSONL to append to (default: $OUT or ./bench-results, <date>-<device>-<commit>-throughput.jsonl)",
     )
     return parser
 

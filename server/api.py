@@ -13,12 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -51,8 +52,10 @@ from server.streaming import Admission, ClientDisconnected, Generation, QueueTim
 
 log = logging.getLogger("pagoda.server")
 
-# Paths that answer without an API key: probes and scrapers carry none.
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths that answer without an API key: probes and scrapers carry none, and the playground page asks for the
+# key itself (its API calls carry it).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
+_PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 _RETRY_AFTER_S = 1  # queue full: a request finishes every few steps, so retry soon
 _DEAD_RETRY_AFTER_S = 30  # engine dead: this process will not recover; wait for a restart
 
@@ -362,6 +365,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     for exc_type in (APIError, InvalidParameter, ResponsesError, EngineDeadError, QueueTimeout):
         app.add_exception_handler(exc_type, _on_error)
+
+    playground = _PLAYGROUND.read_bytes()
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return HTMLResponse(playground)
 
     @app.get("/health")
     async def health() -> Response:

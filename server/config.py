@@ -31,8 +31,8 @@ class ServerConfig:
     port: int = knob(8000, "port to listen on")
     api_key: list[str] | None = knob(
         None,
-        "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics; repeat the flag to "
-        "accept several keys, each with its own rate limits",
+        "require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and the playground page /; "
+        "repeat the flag to accept several keys, each with its own rate limits",
         metavar="KEY",
         repeat=True,
         default_help="$PAGODA_API_KEY; unset: no auth",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -96,6 +98,20 @@ def test_fixed_concurrency_run_accounts_every_request(server, tmp_path, capsys):
     itls = [gap for r in run_["requests"] for gap in r["itl"]]
     assert m["mean_itl_ms"] == pytest.approx(1000 * np.mean(itls))
     assert m["mean_tpot_ms"] == pytest.approx(1000 * np.mean(itls), rel=0.05)
+
+
+def test_pagoda_bench_serve_logs_no_line_per_request(server):
+    # `pagoda` sets up logging at INFO, where httpx would log every request the benchmark sends.
+    cmd = [sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "3"]
+    cmd += ["--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Serving Benchmark Result" in done.stdout
+    assert "HTTP Request" not in done.stdout + done.stderr
+
+
+def test_num_prompts_default_is_in_the_help():
+    assert "default 1000" in " ".join(latency.build_parser().format_help().split())
 
 
 def test_chat_corpus_and_poisson_duration(server, tmp_path):

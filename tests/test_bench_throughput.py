@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench import throughput
+from bench import naming, throughput
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -134,8 +134,8 @@ def test_single_point_mode_appends_json_lines(tiny_model_dir, tmp_path):
     assert all(r["output_tokens"] == 8 and r["output_tok_s"] > 0 and r["num_prompts"] == 2 for r in rows)
 
 
-def test_single_point_len_range_runs_pagoda_only(tiny_model_dir, tmp_path, capsys):
-    out = tmp_path / "w2.jsonl"
+def test_single_point_len_range_runs_pagoda_only(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))  # no --out: the default file goes into $OUT
     argv = [
         "--model",
         str(tiny_model_dir("llama")),
@@ -147,14 +147,22 @@ def test_single_point_len_range_runs_pagoda_only(tiny_model_dir, tmp_path, capsy
         "3",
         "--len-range",
         "2,6",
-        "--out",
-        str(out),
     ]
     assert throughput.main(argv) == 0
     assert "transformers: skipped" in capsys.readouterr().out
+    (out,) = tmp_path.glob(f"*-cpu-{naming.short_commit()}-throughput.jsonl")
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     _, output_lens = throughput.ranged_workload(3, 2, 6, 512, 0)
     assert row["engine"] == "pagoda" and row["output_tokens"] == sum(output_lens)
+
+
+def test_results_go_outside_the_repository_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = naming.results_path("throughput", "cpu")
+    assert path.startswith("bench-results/") and path.endswith(f"-cpu-{naming.short_commit()}-throughput.jsonl")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert naming.results_path("sweep-x", "cpu", "csv").startswith(str(tmp_path / "out") + "/")
 
 
 def test_single_point_and_sweep_flags_do_not_mix():

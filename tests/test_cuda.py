@@ -191,7 +191,10 @@ def test_constrained_rows_with_async_scheduling_and_graphs_match_masked_transfor
 
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
         "required": ["name", "age"],
     }
     constraint = Constraint("json", json.dumps(schema))

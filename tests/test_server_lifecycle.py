@@ -47,9 +47,11 @@ def client_for(server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def test_api_key_is_required_except_on_health_and_metrics(server):
+def test_api_key_is_required_except_on_health_metrics_and_the_playground(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+    page = httpx.get(f"{server.url}/")  # the page asks for the key; its API calls send it
+    assert page.status_code == 200 and 'id="key"' in page.text
     for key in ("wrong", KEY + "x", KEY[:-1]):
         with pytest.raises(openai.AuthenticationError) as err:
             client_for(server, key).models.list()
