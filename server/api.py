@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -48,7 +50,15 @@ from server.protocol import (
 )
 from server.ratelimit import RateLimiter
 from server.responses import ResponseObject, ResponsesAPI, ResponsesError, ResponsesRequest, ResponseStore
-from server.streaming import Admission, ClientDisconnected, Generation, QueueTimeout, engine_requests, sse_events
+from server.streaming import (
+    Admission,
+    ClientDisconnected,
+    Generation,
+    QueueTimeout,
+    ServerStopping,
+    engine_requests,
+    sse_events,
+)
 
 log = logging.getLogger("pagoda.server")
 
@@ -73,6 +83,7 @@ class ServerSettings:
     # An opentelemetry TracerProvider: a span per request goes to it (server/tracing.py). None: no tracing,
     # and opentelemetry is never imported.
     tracer_provider: Any = None
+    log_requests: bool = True  # a log line for each request as it ends
 
 
 class APIError(Exception):
@@ -109,6 +120,8 @@ def as_api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ResponsesError):
         return APIError(exc.status, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, ServerStopping):
+        return APIError(503, str(exc), "server_error", code="server_shutting_down")
     if isinstance(exc, QueueTimeout):
         return APIError(
             503, str(exc), "server_error", code="queue_timeout", headers={"Retry-After": str(_RETRY_AFTER_S)}
@@ -169,6 +182,30 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Every request gets an id (request.state.request_id): the client's X-Request-Id, or a new one. The
+    response carries it back in the same header; the request's engine request ids and log lines begin with it."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1").strip()
+        request_id = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode("latin-1"))
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class CatchAllMiddleware:
     """Any exception no handler took becomes a logged 500 with an OpenAI-shaped body and no traceback.
 
@@ -225,6 +262,19 @@ class _Server:
         # Grammar compiles: a complex schema can take a second; xgrammar runs its own threads inside.
         self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
         self.created = int(time.time())
+        self.generations: weakref.WeakSet[Generation] = weakref.WeakSet()  # those that may still be running
+        self.stopping = False  # the drain time is up: no request is taken any more
+
+    def cut_off(self, timeout: float) -> None:
+        """The shutdown's drain time (`timeout` s) is up: end every request still running with a 503 error
+        (an error event and [DONE] in a stream), so each response ends properly instead of being cancelled."""
+        self.stopping = True
+        running = [g for g in self.generations if g.running]
+        if running:
+            log.warning("shutdown timeout (%g s) expired: cutting off %d request(s)", timeout, len(running))
+        error = ServerStopping(f"the server is shutting down and its drain time of {timeout:g} s is up")
+        for generation in running:
+            generation.cut_off(error)
 
     async def in_thread(self, fn, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -241,6 +291,8 @@ class _Server:
     def admit(self) -> None:
         if not self.engine.is_alive:
             raise EngineDeadError(str(self.engine.error or "stopped"))
+        if self.stopping:
+            raise ServerStopping("the server is shutting down")
         if self.admission.full:
             raise APIError(
                 503,
@@ -343,10 +395,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         server.tokenize_pool.shutdown(wait=False)
         server.grammar_pool.shutdown(wait=False)
 
-    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan)
+    # FastAPI's /docs and /redoc load their scripts from a CDN, which an offline machine cannot reach;
+    # /docs is served below as a plain page instead.
+    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.cut_off = server.cut_off  # for `pagoda serve`, when the shutdown's drain time is up
     app.add_middleware(CatchAllMiddleware)
-    if settings.api_keys:  # added last, so it runs first
+    if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(RequestIdMiddleware)  # added last, so it runs first: even a 401 carries the id
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> Response:
@@ -354,7 +410,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+        # Routing's 404 and 405 say which endpoint was asked for, as OpenAI's "Invalid URL (POST /v1/x)" does.
+        endpoint = f"{request.method} {request.url.path}"
+        allowed = (exc.headers or {}).get("Allow", "another method")
+        message = {
+            404: f"Invalid URL ({endpoint}): this server has no such endpoint",
+            405: f"Invalid method ({endpoint}): the endpoint takes {allowed}",
+        }.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, message, headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -363,7 +426,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _on_error(request: Request, exc: Exception) -> Response:
         return as_api_error(exc).response()
 
-    for exc_type in (APIError, InvalidParameter, ResponsesError, EngineDeadError, QueueTimeout):
+    for exc_type in (APIError, InvalidParameter, ResponsesError, EngineDeadError, QueueTimeout, ServerStopping):
         app.add_exception_handler(exc_type, _on_error)
 
     playground = _PLAYGROUND.read_bytes()
@@ -381,6 +444,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(docs_page(app.openapi()))
 
     @app.get("/version")
     async def get_version() -> dict:
@@ -521,10 +588,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def start(request: Request, job: render.Job, params: SamplingParams | PoolingParams, priority: int) -> Generation:
         # Every prompt is validated here, once (the engine does not check again), and before anything is
         # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
-        requests = engine_requests(engine, job.id, job.prompts, params, priority)
+        requests = engine_requests(engine, request.state.request_id, job.prompts, params, priority)
         server.admit()
         server.charge(request, job.prompts, params)
-        return Generation(request, engine, requests, server.admission, server.metrics, server.tracer)
+        generation = Generation(
+            request, engine, requests, server.admission, server.metrics, server.tracer, settings.log_requests
+        )
+        server.generations.add(generation)
+        return generation
 
     def event_stream(generation: Generation, chunker, include_usage: bool) -> StreamingResponse:
         return sse_response(sse_events(generation, chunker, include_usage, lambda exc: as_api_error(exc).body()))
@@ -557,6 +628,24 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     # no-cache and no proxy buffering: each event must reach the client when it is made.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+def docs_page(schema: dict) -> str:
+    """/docs: the endpoints of the OpenAPI schema as a plain HTML table that needs nothing from the network
+    (the full schema, request bodies included, is /openapi.json)."""
+    rows = "".join(
+        f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+        f"<td>{html.escape(operation.get('summary', ''))}</td></tr>"
+        for path, operations in schema["paths"].items()
+        for method, operation in operations.items()
+    )
+    title = html.escape(f"{schema['info']['title']} {schema['info']['version']}")
+    return (
+        f"<!doctype html><meta charset=utf-8><title>{title}</title><h1>{title}</h1>"
+        "<p>An OpenAI-compatible API. The full schema, with every request and response body: "
+        '<a href="/openapi.json">/openapi.json</a>.</p>'
+        f"<table><tr><th>method</th><th>path</th><th></th></tr>{rows}</table>"
+    )
 
 
 def _echo_texts(tokenizer, prompt: str | list, prompts: list[list[int]]) -> list[str]:

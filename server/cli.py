@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import types
 import typing
@@ -34,6 +36,9 @@ _TABLE_START = (
     "<!-- flag table: generated from ServerConfig and EngineConfig by `python -m server.cli flag-table --write` -->"
 )
 _TABLE_END = "<!-- end of the generated flag table -->"
+# uvicorn cancels what still runs this long after --shutdown-timeout; by then pagoda has ended every
+# request itself (the app's cut_off), so this is only a backstop.
+_CUT_OFF_GRACE_S = 5.0
 
 
 # ----- flags from config fields -----
@@ -268,6 +273,20 @@ def _server_config(args: argparse.Namespace):
     return _from_args(ServerConfig, args)
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a taken port fails in a moment, not after the load."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # As uvicorn binds: a restart may take the port while the last run's connections are in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "it is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise SystemExit(f"pagoda serve: cannot listen on {host} port {port}: {reason}") from None
+    return sock
+
+
 def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -284,6 +303,7 @@ def serve_command(args: argparse.Namespace) -> int:
     http = _server_config(args)
     names = http.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_keys = http.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
+    sock = _listening_socket(http.host, http.port)
     try:
         config = _engine_config(args, model_dir)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
@@ -297,6 +317,7 @@ def serve_command(args: argparse.Namespace) -> int:
             http.max_stored_responses,
             http.metrics_prefix,
             _tracer_provider(http.otlp_traces_endpoint),
+            log_requests=not http.disable_log_requests,
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
@@ -308,7 +329,7 @@ def serve_command(args: argparse.Namespace) -> int:
             port=http.port,
             log_level=http.uvicorn_log_level,
             access_log=not http.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=http.shutdown_timeout,
+            timeout_graceful_shutdown=http.shutdown_timeout + _CUT_OFF_GRACE_S,
         )
     )
     capacity = engine.engine.block_manager.num_blocks * config.block_size
@@ -317,7 +338,7 @@ def serve_command(args: argparse.Namespace) -> int:
     # (Set only now: until the server runs, the default handlers stop a model load at once.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
-    asyncio.run(_serve(server, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
+    asyncio.run(_serve(server, sock, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
     if settings.tracer_provider is not None:
         settings.tracer_provider.shutdown()  # sends the spans still batched
     return 0 if engine.error is None else 1
@@ -336,27 +357,44 @@ def _tracer_provider(endpoint: str | None):
     return otlp_provider(endpoint)
 
 
-async def _serve(server, name: str, capacity: int, max_model_len: int, http, api_key_required: bool) -> None:
-    task = asyncio.create_task(server.serve())
+async def _serve(
+    server, sock: socket.socket, name: str, capacity: int, max_model_len: int, http, api_key_required: bool
+) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
-    if server.started:
-        host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
-        log.info(
-            "serving %s at http://%s:%d/v1 (KV cache: %d tokens, max_model_len %d%s)",
-            name,
-            host,
-            http.port,
-            capacity,
-            max_model_len,
-            ", API key required" if api_key_required else "",
-        )
-    await task
+    if not server.started:
+        await task
+        return
+    host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
+    log.info(
+        "ready at http://%s:%d (serving %s at /v1; KV cache: %d tokens, max_model_len %d%s)",
+        host,
+        http.port,
+        name,
+        capacity,
+        max_model_len,
+        ", API key required" if api_key_required else "",
+    )
+    deadline = asyncio.create_task(_cut_off_when_drain_ends(server, http.shutdown_timeout))
+    try:
+        await task
+    finally:
+        deadline.cancel()
+
+
+async def _cut_off_when_drain_ends(server, timeout: float) -> None:
+    """Once a shutdown begins (SIGTERM, Ctrl-C), give the requests in flight `timeout` seconds, then end them."""
+    while not server.should_exit:  # uvicorn's own shutdown polls this flag too
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(timeout)
+    server.config.app.state.cut_off(timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Before the parser imports the engine, whose own console handler would otherwise print every line twice.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 

@@ -116,6 +116,15 @@ class ServerConfig:
         metavar="URL",
         default_help="no tracing",
     )
-    shutdown_timeout: float = knob(30.0, "on SIGTERM, seconds to let in-flight requests finish before they are cut")
+    shutdown_timeout: float = knob(
+        30.0,
+        "on SIGTERM, seconds to let in-flight requests finish; then each one still running ends with a 503 error "
+        "(in a stream: an error event, then [DONE])",
+        min=0,
+    )
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)
     disable_uvicorn_access_log: bool = knob(False, "no log line per HTTP request")
+    disable_log_requests: bool = knob(
+        False,
+        "no log line per finished request (its id, prompt and generated tokens, TTFT, end-to-end time, finish reason)",
+    )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ log = logging.getLogger("pagoda.server")
 
 _END = object()  # every engine request has ended
 _DISCONNECTED = object()
+# Numbers the HTTP requests this process has handed to the engine: the last part of every engine request id.
+_serials = itertools.count()
 
 
 class ClientDisconnected(Exception):
@@ -34,6 +38,10 @@ class ClientDisconnected(Exception):
 
 class QueueTimeout(Exception):
     """A request waited longer than the engine's queue timeout without being scheduled."""
+
+
+class ServerStopping(Exception):
+    """The server is shutting down and its drain time is up: the request was cut off."""
 
 
 @dataclass
@@ -56,9 +64,16 @@ def engine_requests(
     priority: int,
 ) -> list[EngineRequest]:
     """The engine requests of one HTTP request, one per prompt, each validated (the only check it gets) and
-    none queued: an InvalidParameter for any prompt leaves no other prompt running."""
+    none queued: an InvalidParameter for any prompt leaves no other prompt running.
+
+    Their ids are `request_id` (the client's X-Request-Id, which two requests may share), the prompt's index
+    when there are several, and this process's serial number of the HTTP request, always last: the serial
+    alone tells two HTTP requests apart, the index two prompts of one, so no two engine ids are equal."""
+    serial = next(_serials)
     return [
-        engine.new_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt, params, priority)
+        engine.new_request(
+            f"{request_id}-{serial}" if len(prompts) == 1 else f"{request_id}-{i}-{serial}", prompt, params, priority
+        )
         for i, prompt in enumerate(prompts)
     ]
 
@@ -72,7 +87,10 @@ class _Prompt:
         self.index = index
         self.engine_id = request.request_id
         self.params = request.params
+        self.arrival = request.arrival_time
+        self.num_prompt_tokens = len(request.prompt_token_ids)
         self.tracker = tracker
+        self.last: RequestOutput | None = None  # the latest output, for the request's log line
         self.queued = True  # counted in Admission until its first output (or its end)
         self.done = False  # no more outputs will come, or none are wanted
 
@@ -98,14 +116,16 @@ class Generation:
         admission: Admission,
         metrics: Metrics,
         tracer: RequestTracer | None = None,
+        log_requests: bool = False,
     ):
         """Queue `requests` (from engine_requests(), in prompt order) and follow their outputs; `tracer`
-        records a span of each that finishes."""
+        records a span of each that finishes; with `log_requests`, a line for each is logged as it ends."""
         self.loop = asyncio.get_running_loop()
         self._http_request = http_request
         self._tracer = tracer
         self._engine = engine
         self._admission = admission
+        self._log_requests = log_requests
         # (prompt index, RequestOutput | exception | _DISCONNECTED) in arrival order.
         self._ready: deque[tuple[int, object]] = deque()
         self._waiter: asyncio.Future | None = None
@@ -121,6 +141,11 @@ class Generation:
             except Exception as exc:  # noqa: BLE001 -- told in order, like any error of that request (the engine died)
                 self._arrive(prompt, exc)
 
+    @property
+    def running(self) -> bool:
+        """Whether some engine request of it has not ended."""
+        return self._remaining > 0
+
     def _arrive(self, prompt: _Prompt, item: RequestOutput | BaseException | None) -> None:
         if prompt.done:  # e.g. the None of an abort we asked for
             return
@@ -131,25 +156,29 @@ class Generation:
             else:
                 self._dequeue(prompt)
                 prompt.tracker.on_output(item)
+                prompt.last = item
                 self._push(prompt.index, item)
                 if item.finished:
                     if self._tracer is not None:
                         self._tracer.record(item, prompt.params, self._http_request.headers)
-                    self._end(prompt)
+                    reasons = dict.fromkeys(c.finish_reason or "abort" for c in item.outputs)
+                    self._end(prompt, ",".join(reasons))
                 return
+        reason = "timeout" if isinstance(item, QueueTimeout) else "abort"
         if isinstance(item, BaseException):
-            prompt.tracker.on_abort("timeout" if isinstance(item, QueueTimeout) else "abort")
+            prompt.tracker.on_abort(reason)
             self._push(prompt.index, item)
-        self._end(prompt)
+        self._end(prompt, reason)
 
     def _push(self, index: int, item: object) -> None:
         self._ready.append((index, item))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _end(self, prompt: _Prompt) -> None:
+    def _end(self, prompt: _Prompt, reason: str) -> None:
         self._dequeue(prompt)
         prompt.done = True
+        self._log_end(prompt, reason)
         self._remaining -= 1
         if self._remaining == 0:
             self._watcher.cancel()
@@ -160,12 +189,30 @@ class Generation:
             prompt.queued = False
             self._admission.queued -= 1
 
+    def _log_end(self, prompt: _Prompt, reason: str) -> None:
+        """The request's one log line (unless request logging is off): what it asked and got, how fast."""
+        if not self._log_requests:
+            return
+        out = prompt.last
+        first_token = out.times.first_token if out is not None and out.times is not None else None
+        finished = out.times.finished if out is not None and out.times is not None else None
+        log.info(
+            "request %s finished (%s): prompt %d tokens, generated %d tokens, TTFT %s, e2e %.3f s",
+            prompt.engine_id,
+            reason,
+            prompt.num_prompt_tokens,
+            sum(len(c.token_ids) for c in out.outputs) if out is not None else 0,
+            "-" if first_token is None else f"{first_token - prompt.arrival:.3f} s",
+            (finished if finished is not None else time.monotonic()) - prompt.arrival,
+        )
+
     async def _watch(self, http_request: Request) -> None:
         # The body has been read, so the next message the server has for us is the disconnect.
         while (await http_request.receive())["type"] != "http.disconnect":
             pass
         if self._remaining:
-            log.info("client disconnected: aborting %d request(s)", self._remaining)
+            unfinished = ", ".join(p.engine_id for p in self._prompts if not p.done)
+            log.info("client disconnected: aborting request(s) %s", unfinished)
         self._push(-1, _DISCONNECTED)  # before cancel() ends the requests: the reader must not see a normal end
         self.cancel()
 
@@ -175,8 +222,16 @@ class Generation:
             if not prompt.done:
                 prompt.tracker.on_abort("abort")
                 self._engine.abort(prompt.engine_id)
-                self._end(prompt)
+                self._end(prompt, "abort")
         self._watcher.cancel()
+
+    def cut_off(self, error: Exception) -> None:
+        """End every unfinished engine request with `error`, which the reader meets after the outputs that
+        came before it, and abort it in the engine."""
+        for prompt in self._prompts:
+            if not prompt.done:
+                self._arrive(prompt, error)
+                self._engine.abort(prompt.engine_id)
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Every (prompt index, output) that has arrived since the last batch, in order, until all are
@@ -235,18 +290,19 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The whole event stream: opening chunks, deltas, the usage chunk if asked, then [DONE].
 
+    The opening chunks (chat's assistant role, completions' echo) go out in one write with the first
+    outputs, never before: clients time the first chunk as the time to the first token, as vLLM streams it.
     Outputs that arrived together (the reader fell a step behind) are written together: still one
     event per chunk, but one write, since each write costs the event loop more than its rendering.
     An error after the headers are sent can only be told in the stream: it becomes an error event.
     """
     try:
         opening = "".join(sse(chunk) for chunk in chunker.start())
-        if opening:
-            yield opening
         async for batch in generation.batches():
             events = "".join(sse(chunk) for prompt_index, out in batch for chunk in chunker.update(prompt_index, out))
-            if events:
-                yield events
+            if opening + events:
+                yield opening + events
+            opening = ""
         if include_usage:
             yield sse(chunker.usage_chunk())
     except ClientDisconnected:

@@ -151,7 +151,7 @@ def test_startup_log_says_what_was_loaded_the_kv_capacity_and_the_url(server):
     log = server.log()
     assert "SmolLM2-135M-Instruct" in log and "512 KV blocks of 16 tokens = 8192 tokens" in log
     deadline = time.monotonic() + 10  # the line follows the server's start by a moment
-    while f"serving {MODEL} at {server.url}/v1" not in log:
+    while f"ready at {server.url} (serving {MODEL} at /v1;" not in log:
         assert time.monotonic() < deadline, log
         time.sleep(0.05)
         log = server.log()

@@ -224,10 +224,13 @@ def test_a_span_per_request_with_vllms_attributes(default_model_dir):
             temperature=0,
             top_p=0.9,
             extra_body={"ignore_eos": True},
-            extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+            extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01", "X-Request-Id": "traced-chat"},
         )
-        stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True, temperature=0.5)
-        completion_id = [chunk.id for chunk in stream][0]
+        stream = client.completions.with_raw_response.create(
+            model=MODEL, prompt="Hello", max_tokens=3, stream=True, temperature=0.5
+        )
+        completion_id = stream.headers["x-request-id"]  # the server made it: the client sent none
+        list(stream.parse())
     finally:
         server.should_exit = True
         thread.join(30)
@@ -236,7 +239,8 @@ def test_a_span_per_request_with_vllms_attributes(default_model_dir):
     assert first.name == second.name == "llm_request"
     assert first.kind is SpanKind.SERVER
     a = first.attributes
-    assert a["gen_ai.request.id"] == chat.id
+    # The engine request id: the client's X-Request-Id, then the server's serial number.
+    assert a["gen_ai.request.id"].startswith("traced-chat-")
     assert a["gen_ai.response.model"] == MODEL
     assert a["gen_ai.usage.prompt_tokens"] == chat.usage.prompt_tokens
     assert a["gen_ai.usage.completion_tokens"] == 4
@@ -253,6 +257,6 @@ def test_a_span_per_request_with_vllms_attributes(default_model_dir):
     assert format(first.context.trace_id, "032x") == trace_id
     assert format(first.parent.span_id, "016x") == parent_id
     b = second.attributes
-    assert b["gen_ai.request.id"] == completion_id and b["gen_ai.usage.completion_tokens"] <= 3
+    assert b["gen_ai.request.id"].startswith(completion_id + "-") and b["gen_ai.usage.completion_tokens"] <= 3
     assert b["gen_ai.request.temperature"] == 0.5
     assert second.parent is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,9 +71,14 @@ class ModelRunner:
             config.fa4_prefill_min_tokens,
             config.max_num_batched_tokens,
         )
+        start = time.perf_counter()
+        what = "dummy weights" if config.load_format == "dummy" else f"the weights of {model_dir}"
+        log.info("loading %s (%s on %s)", what, config.dtype, config.device)
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, config.load_format, config.seed, self.backend
         )
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        log.info("weights loaded in %.1f s (%.2f GiB)", time.perf_counter() - start, weight_bytes / 2**30)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
@@ -134,6 +140,13 @@ class ModelRunner:
     def _graphs_enabled(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_graphs
 
+    def _why_no_graphs(self) -> str:
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}"
+        if self.config.enforce_eager:
+            return "--enforce-eager"
+        return f"the {self.backend.name} attention backend does not support them"
+
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """One forward + sampling over max_num_batched_tokens dummy tokens, with a throwaway cache."""
@@ -161,10 +174,13 @@ class ModelRunner:
         """Compile, before serving, the attention kernels a prompt step can take (the backend's
         warm-up prompt lengths, with and without cached context): a kernel compiles the first time
         a step calls it, seconds of stall in the middle of serving otherwise."""
+        start = time.perf_counter()
+        log.info("compiling the %s attention kernels", self.backend.name)
         for lens in self.backend.warmup_prompt_lens:
             for cached in (0, 16):
                 self._dummy_forward(list(lens), cached)
         torch.cuda.synchronize(self.device)
+        log.info("attention kernels compiled in %.1f s", time.perf_counter() - start)
 
     @torch.inference_mode()
     def _dummy_forward(self, lens: list[int], cached: int = 0) -> torch.Tensor:
@@ -184,6 +200,7 @@ class ModelRunner:
         """Capture the decode graphs and the piecewise prompt-step graphs, when the device and backend
         allow them and they are not turned off."""
         if not self._graphs_enabled():
+            log.info("no CUDA graphs: %s", self._why_no_graphs())
             return
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
