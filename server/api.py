@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -66,6 +67,7 @@ class ServerSettings:
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)  # default: no limits
     chat: ChatOptions = field(default_factory=ChatOptions)  # tools, reasoning, template, generation defaults
     max_stored_responses: int = ServerConfig.max_stored_responses  # /v1/responses kept for previous_response_id
+    http: ServerConfig = field(default_factory=ServerConfig)  # read here for CORS, the root path and the docs
 
 
 class APIError(Exception):
@@ -139,6 +141,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
+def _route_path(scope: Scope) -> str:
+    """The path without --root-path's prefix, as the routes match it: /api/health and /health are both /health."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
+
+
 class APIKeyMiddleware:
     """Bearer-token check on every path but the probes. A plain ASGI middleware, so it answers before
     the body is even parsed and leaves streaming responses alone."""
@@ -148,7 +156,7 @@ class APIKeyMiddleware:
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and _route_path(scope) not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             # Constant-time, and every key compared, so no key can be guessed byte by byte from
             # response times.
@@ -325,10 +333,21 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         server.tokenize_pool.shutdown(wait=False)
         server.grammar_pool.shutdown(wait=False)
 
-    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan)
+    http = settings.http
+    docs = {} if not http.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan, root_path=http.root_path or "", **docs)
     app.add_middleware(CatchAllMiddleware)
-    if settings.api_keys:  # added last, so it runs first
+    if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    # Added last, so it runs first: a browser's preflight carries no API key, and a 401 needs CORS headers
+    # for the page to read it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=http.allowed_origins,
+        allow_methods=http.allowed_methods,
+        allow_headers=http.allowed_headers,
+        allow_credentials=http.allow_credentials,
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> Response:

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import signal
+import ssl
 import sys
 import types
 import typing
@@ -60,8 +61,9 @@ def _base_type(annotation: typing.Any) -> type:
     return typing.get_origin(annotation) or annotation
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return "--" + f.name.replace("_", "-")
+def _flags(f: dataclasses.Field) -> tuple[str, ...]:
+    """The flag's spellings: its metadata's, or the field's name with dashes."""
+    return f.metadata.get("flags", ("--" + f.name.replace("_", "-"),))
 
 
 def default_text(f: dataclasses.Field) -> str:
@@ -87,7 +89,9 @@ def _at_least(kind: type, minimum: int | float) -> Callable[[str], typing.Any]:
 def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, kind: type) -> None:
     meta = f.metadata
     kwargs: dict[str, typing.Any] = {"dest": f.name, "default": f.default}
-    if kind is bool:
+    if "parse" in meta:
+        kwargs["type"] = meta["parse"]
+    elif kind is bool:
         kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
     elif kind is list:
         if meta.get("repeat"):
@@ -99,9 +103,13 @@ def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, kind: type) 
     for key in ("choices", "metavar"):
         if key in meta:
             kwargs[key] = meta[key]
-    action = group.add_argument(_flag(f), **kwargs)
+    action = group.add_argument(*_flags(f), **kwargs)
     # Set afterwards: on Python < 3.14 BooleanOptionalAction appends a "(default: True)" of its own.
     action.help = f"{meta['help']} (default: {default_text(f)})".replace("%", "%%")
+    if "off_flags" in meta:
+        group.add_argument(
+            *meta["off_flags"], dest=f.name, action="store_false", help=f"the opposite of {_flags(f)[0]}"
+        )
 
 
 def _model_field() -> dataclasses.Field:
@@ -121,15 +129,17 @@ def _from_args(cls: type, args: argparse.Namespace, **given: typing.Any):
 def _flag_cell(f: dataclasses.Field, kind: type) -> str:
     meta = f.metadata
     if kind is bool and f.default is not False:
-        return f"`{_flag(f)}`, `--no-{_flag(f)[2:]}`"
-    text = _flag(f)
+        return f"`{_flags(f)[0]}`, `--no-{_flags(f)[0][2:]}`"
+    if "off_flags" in meta:
+        return ", ".join(f"`{flag}`" for flag in (*_flags(f), *meta["off_flags"]))
+    value = ""
     if "choices" in meta:
-        text += " {" + ",".join(meta["choices"]) + "}"
+        value = " {" + ",".join(meta["choices"]) + "}"
     elif kind is list:
-        text += f" {meta['metavar']}" + ("" if meta.get("repeat") else "...")
+        value = f" {meta['metavar']}" + ("" if meta.get("repeat") else "...")
     elif "metavar" in meta:
-        text += f" {meta['metavar']}"
-    return f"`{text}`"
+        value = f" {meta['metavar']}"
+    return ", ".join(f"`{flag}{value}`" for flag in _flags(f))
 
 
 def _default_cell(f: dataclasses.Field) -> str:
@@ -193,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
+        # No prefix matching: a vLLM flag pagoda lacks must be refused, never taken for a longer flag it prefixes.
+        allow_abbrev=False,
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, /version). Flags are named as vllm "
@@ -241,25 +253,10 @@ def _add_plugin_commands(commands) -> None:
 # ----- pagoda serve -----
 
 
-def _model_dir(model: str) -> str:
-    """A directory as given; anything else is looked up as a model id in the local Hugging Face cache."""
-    if os.path.isdir(model):
-        return model
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(model, local_files_only=True)
-    except Exception:  # not a valid id, or not downloaded: both mean the same to the user
-        raise SystemExit(
-            f"pagoda serve: {model} is neither a model directory nor a model in the local "
-            "Hugging Face cache (pagoda does not download models)"
-        ) from None
-
-
-def _engine_config(args: argparse.Namespace, model_dir: str | None):
+def _engine_config(args: argparse.Namespace, model: str | None):
     from engine.config import EngineConfig
 
-    return _from_args(EngineConfig, args, model=model_dir)
+    return _from_args(EngineConfig, args, model=model)
 
 
 def _server_config(args: argparse.Namespace):
@@ -280,12 +277,12 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.model and args.model_flag and args.model != args.model_flag:
         raise SystemExit("pagoda serve: give the model once (MODEL or --model)")
     args.model = args.model or args.model_flag
-    model_dir = _model_dir(args.model) if args.model else None
     http = _server_config(args)
+    _check_tls(http)
     names = http.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_keys = http.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
     try:
-        config = _engine_config(args, model_dir)
+        config = _engine_config(args, args.model)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
         settings = ServerSettings(
             names,
@@ -295,6 +292,7 @@ def serve_command(args: argparse.Namespace) -> int:
             RateLimiter(http.rate_limit_requests_per_minute, http.rate_limit_tokens_per_minute),
             ChatOptions.from_config(http, engine.engine.model_dir),
             http.max_stored_responses,
+            http,
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
@@ -307,6 +305,8 @@ def serve_command(args: argparse.Namespace) -> int:
             log_level=http.uvicorn_log_level,
             access_log=not http.disable_uvicorn_access_log,
             timeout_graceful_shutdown=http.shutdown_timeout,
+            ssl_keyfile=http.ssl_keyfile,
+            ssl_certfile=http.ssl_certfile,
         )
     )
     capacity = engine.engine.block_manager.num_blocks * config.block_size
@@ -319,6 +319,20 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0 if engine.error is None else 1
 
 
+def _check_tls(http) -> None:
+    """Refuse an incomplete or unreadable key pair now, before the model loads, instead of when uvicorn starts."""
+    if http.ssl_keyfile is None and http.ssl_certfile is None:
+        return
+    if http.ssl_keyfile is None or http.ssl_certfile is None:
+        raise SystemExit("pagoda serve: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(http.ssl_certfile, http.ssl_keyfile)
+    except OSError as exc:  # ssl.SSLError is one: a file that is missing, or not a matching PEM key and certificate
+        raise SystemExit(
+            f"pagoda serve: cannot use {http.ssl_certfile} and {http.ssl_keyfile} for HTTPS: {exc}"
+        ) from None
+
+
 async def _serve(server, name: str, capacity: int, max_model_len: int, http, api_key_required: bool) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -326,8 +340,9 @@ async def _serve(server, name: str, capacity: int, max_model_len: int, http, api
     if server.started:
         host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
         log.info(
-            "serving %s at http://%s:%d/v1 (KV cache: %d tokens, max_model_len %d%s)",
+            "serving %s at %s://%s:%d/v1 (KV cache: %d tokens, max_model_len %d%s)",
             name,
+            "https" if http.ssl_certfile else "http",
             host,
             http.port,
             capacity,
