@@ -139,6 +139,9 @@ def test_vllm_command_lines_parse_into_pagoda_configs(command_line, expected):
         ["--quantization", "awq"],
         ["--kv-cache-dtype", "fp8"],
         ["--speculative-config", '{"method": "ngram"}'],
+        ["--data-parallel-size", "2"],
+        ["--disable-log-stats"],
+        ["--tokenizer-mode", "auto"],
         ["--enable-prefix"],  # a prefix of --enable-prefix-caching: refused, not taken for it
     ],
 )
