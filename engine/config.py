@@ -7,6 +7,8 @@ takes it; server/cli.py generates the flags (and README.md's flag table) from th
     choices       the values it takes
     min           the smallest value the flag accepts (checked when the command line is parsed)
     default_help  how --help tells the default when its value alone says too little (e.g. None)
+    flags         the flag's spellings, the first the one --help lists first (default: --field-name)
+    off_flags     for a bool off by default, the spellings that turn it off again
 """
 
 from __future__ import annotations
@@ -36,6 +38,36 @@ class EngineConfig:
         "a Hugging Face model directory (config.json, *.safetensors, tokenizer); pagoda serve also takes the id of "
         "a model in the local Hugging Face cache",
         default_help="the embedded default, SmolLM2-135M-Instruct",
+    )
+    tokenizer: str | None = knob(
+        None,
+        "a tokenizer directory (or the id of one in the local Hugging Face cache) to use instead of the model's",
+        metavar="TOKENIZER",
+        default_help="the model's",
+    )
+    revision: str | None = knob(
+        None,
+        "for a model id: the branch, tag or commit of it to take from the local Hugging Face cache",
+        default_help="main",
+    )
+    download_dir: str | None = knob(
+        None,
+        "for a model or tokenizer id: the Hugging Face cache directory to find it in (pagoda downloads nothing)",
+        metavar="DIR",
+        default_help="the Hugging Face default, $HF_HUB_CACHE",
+    )
+    trust_remote_code: bool = knob(
+        False,
+        "taken for vLLM's command lines and changes nothing: pagoda never runs code from a model repository, it "
+        "reads only config.json, weights and tokenizer files, so a model whose architecture pagoda lacks is "
+        "refused with or without it",
+    )
+    tensor_parallel_size: int = knob(
+        1,
+        "GPUs to shard the model over; pagoda serves a model on one GPU, so only 1 is taken",
+        min=1,
+        metavar="N",
+        flags=("--tensor-parallel-size", "-tp"),
     )
     dtype: str = knob(
         "auto",
@@ -139,6 +171,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", *BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {self.attention_backend!r}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "pagoda serves a model on one GPU: tensor_parallel_size (-tp) must be 1, "
+                f"got {self.tensor_parallel_size}"
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")

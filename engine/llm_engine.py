@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
+from engine.loader import resolve_model_dir
 from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -55,13 +56,17 @@ class _Step:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_dir = config.model
-        if model_dir is None:
+        if config.model is None:
             from engine.default_model import default_model_dir
 
             model_dir = str(default_model_dir())
+        else:
+            model_dir = resolve_model_dir(config.model, config.revision, config.download_dir)
         self.model_dir = model_dir
-        self.tokenizer = _load_tokenizer(model_dir)
+        tokenizer_dir = model_dir
+        if config.tokenizer is not None:
+            tokenizer_dir = resolve_model_dir(config.tokenizer, cache_dir=config.download_dir)
+        self.tokenizer = _load_tokenizer(tokenizer_dir)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos(model_dir)
         self.eos_token_ids = eos
         self.runner = ModelRunner(config, model_dir, eos)

@@ -1,4 +1,4 @@
-"""Build a model from a Hugging Face directory: safetensors weights or dummy (random) ones."""
+"""Find a model's Hugging Face directory, and build the model from it: safetensors weights or dummy (random) ones."""
 
 from __future__ import annotations
 
@@ -15,6 +15,23 @@ from engine.attention import AttentionBackend
 from engine.models import model_class
 
 log = logging.getLogger("pagoda.loader")
+
+
+def resolve_model_dir(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """A directory as given; anything else is looked up as a model id in the local Hugging Face cache."""
+    if Path(model).is_dir():
+        return model
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception:  # not a valid id, or not downloaded: both mean the same to the user
+        where = f" ({cache_dir})" if cache_dir else ""
+        at = f" at revision {revision}" if revision else ""
+        raise FileNotFoundError(
+            f"{model} is neither a model directory nor a model in the local Hugging Face cache{where}{at} "
+            "(pagoda does not download models)"
+        ) from None
 
 
 def read_hf_config(model_dir: str | Path) -> dict:

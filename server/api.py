@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -83,7 +84,7 @@ class ServerSettings:
     # An opentelemetry TracerProvider: a span per request goes to it (server/tracing.py). None: no tracing,
     # and opentelemetry is never imported.
     tracer_provider: Any = None
-    log_requests: bool = True  # a log line for each request as it ends
+    http: ServerConfig = field(default_factory=ServerConfig)  # read here for CORS, the root path and the docs
 
 
 class APIError(Exception):
@@ -159,6 +160,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
+def _route_path(scope: Scope) -> str:
+    """The path without --root-path's prefix, as the routes match it: /api/health and /health are both /health."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
+
+
 class APIKeyMiddleware:
     """Bearer-token check on every path but the probes. A plain ASGI middleware, so it answers before
     the body is even parsed and leaves streaming responses alone."""
@@ -168,7 +175,7 @@ class APIKeyMiddleware:
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and _route_path(scope) not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             # Constant-time, and every key compared, so no key can be guessed byte by byte from
             # response times.
@@ -395,13 +402,32 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         server.tokenize_pool.shutdown(wait=False)
         server.grammar_pool.shutdown(wait=False)
 
+    http = settings.http
     # FastAPI's /docs and /redoc load their scripts from a CDN, which an offline machine cannot reach;
-    # /docs is served below as a plain page instead.
-    app = FastAPI(title="pagoda", version=version("pagoda"), lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs is served below as a plain page instead (unless --disable-fastapi-docs).
+    openapi = {"openapi_url": None} if http.disable_fastapi_docs else {}
+    app = FastAPI(
+        title="pagoda",
+        version=version("pagoda"),
+        lifespan=lifespan,
+        root_path=http.root_path or "",
+        docs_url=None,
+        redoc_url=None,
+        **openapi,
+    )
     app.state.cut_off = server.cut_off  # for `pagoda serve`, when the shutdown's drain time is up
     app.add_middleware(CatchAllMiddleware)
     if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    # Added after the API-key check, so it runs before it: a browser's preflight carries no API key, and a
+    # 401 needs CORS headers for the page to read it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=http.allowed_origins,
+        allow_methods=http.allowed_methods,
+        allow_headers=http.allowed_headers,
+        allow_credentials=http.allow_credentials,
+    )
     app.add_middleware(RequestIdMiddleware)  # added last, so it runs first: even a 401 carries the id
 
     @app.exception_handler(RequestValidationError)
@@ -445,9 +471,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        return HTMLResponse(docs_page(app.openapi()))
+    if not http.disable_fastapi_docs:
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs() -> HTMLResponse:
+            return HTMLResponse(docs_page(app.openapi()))
 
     @app.get("/version")
     async def get_version() -> dict:
@@ -592,7 +620,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         server.admit()
         server.charge(request, job.prompts, params)
         generation = Generation(
-            request, engine, requests, server.admission, server.metrics, server.tracer, settings.log_requests
+            request, engine, requests, server.admission, server.metrics, server.tracer, settings.http.log_requests
         )
         server.generations.add(generation)
         return generation

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import types
 import typing
@@ -65,8 +66,9 @@ def _base_type(annotation: typing.Any) -> type:
     return typing.get_origin(annotation) or annotation
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return "--" + f.name.replace("_", "-")
+def _flags(f: dataclasses.Field) -> tuple[str, ...]:
+    """The flag's spellings: its metadata's, or the field's name with dashes."""
+    return f.metadata.get("flags", ("--" + f.name.replace("_", "-"),))
 
 
 def default_text(f: dataclasses.Field) -> str:
@@ -92,7 +94,9 @@ def _at_least(kind: type, minimum: int | float) -> Callable[[str], typing.Any]:
 def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, kind: type) -> None:
     meta = f.metadata
     kwargs: dict[str, typing.Any] = {"dest": f.name, "default": f.default}
-    if kind is bool:
+    if "parse" in meta:
+        kwargs["type"] = meta["parse"]
+    elif kind is bool:
         kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
     elif kind is list:
         if meta.get("repeat"):
@@ -104,9 +108,13 @@ def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, kind: type) 
     for key in ("choices", "metavar"):
         if key in meta:
             kwargs[key] = meta[key]
-    action = group.add_argument(_flag(f), **kwargs)
+    action = group.add_argument(*_flags(f), **kwargs)
     # Set afterwards: on Python < 3.14 BooleanOptionalAction appends a "(default: True)" of its own.
     action.help = f"{meta['help']} (default: {default_text(f)})".replace("%", "%%")
+    if "off_flags" in meta:
+        group.add_argument(
+            *meta["off_flags"], dest=f.name, action="store_false", help=f"the opposite of {_flags(f)[0]}"
+        )
 
 
 def _model_field() -> dataclasses.Field:
@@ -126,15 +134,17 @@ def _from_args(cls: type, args: argparse.Namespace, **given: typing.Any):
 def _flag_cell(f: dataclasses.Field, kind: type) -> str:
     meta = f.metadata
     if kind is bool and f.default is not False:
-        return f"`{_flag(f)}`, `--no-{_flag(f)[2:]}`"
-    text = _flag(f)
+        return f"`{_flags(f)[0]}`, `--no-{_flags(f)[0][2:]}`"
+    if "off_flags" in meta:
+        return ", ".join(f"`{flag}`" for flag in (*_flags(f), *meta["off_flags"]))
+    value = ""
     if "choices" in meta:
-        text += " {" + ",".join(meta["choices"]) + "}"
+        value = " {" + ",".join(meta["choices"]) + "}"
     elif kind is list:
-        text += f" {meta['metavar']}" + ("" if meta.get("repeat") else "...")
+        value = f" {meta['metavar']}" + ("" if meta.get("repeat") else "...")
     elif "metavar" in meta:
-        text += f" {meta['metavar']}"
-    return f"`{text}`"
+        value = f" {meta['metavar']}"
+    return ", ".join(f"`{flag}{value}`" for flag in _flags(f))
 
 
 def _default_cell(f: dataclasses.Field) -> str:
@@ -198,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
+        # No prefix matching: a vLLM flag pagoda lacks must be refused, never taken for a longer flag it prefixes.
+        allow_abbrev=False,
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, /version). Flags are named as vllm "
@@ -246,25 +258,10 @@ def _add_plugin_commands(commands) -> None:
 # ----- pagoda serve -----
 
 
-def _model_dir(model: str) -> str:
-    """A directory as given; anything else is looked up as a model id in the local Hugging Face cache."""
-    if os.path.isdir(model):
-        return model
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(model, local_files_only=True)
-    except Exception:  # not a valid id, or not downloaded: both mean the same to the user
-        raise SystemExit(
-            f"pagoda serve: {model} is neither a model directory nor a model in the local "
-            "Hugging Face cache (pagoda does not download models)"
-        ) from None
-
-
-def _engine_config(args: argparse.Namespace, model_dir: str | None):
+def _engine_config(args: argparse.Namespace, model: str | None):
     from engine.config import EngineConfig
 
-    return _from_args(EngineConfig, args, model=model_dir)
+    return _from_args(EngineConfig, args, model=model)
 
 
 def _server_config(args: argparse.Namespace):
@@ -299,13 +296,13 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.model and args.model_flag and args.model != args.model_flag:
         raise SystemExit("pagoda serve: give the model once (MODEL or --model)")
     args.model = args.model or args.model_flag
-    model_dir = _model_dir(args.model) if args.model else None
     http = _server_config(args)
+    _check_tls(http)
     names = http.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_keys = http.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
     sock = _listening_socket(http.host, http.port)
     try:
-        config = _engine_config(args, model_dir)
+        config = _engine_config(args, args.model)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
         settings = ServerSettings(
             names,
@@ -317,7 +314,7 @@ def serve_command(args: argparse.Namespace) -> int:
             http.max_stored_responses,
             http.metrics_prefix,
             _tracer_provider(http.otlp_traces_endpoint),
-            log_requests=not http.disable_log_requests,
+            http,
         )
         app = build_app(engine, settings)
     except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
@@ -330,6 +327,8 @@ def serve_command(args: argparse.Namespace) -> int:
             log_level=http.uvicorn_log_level,
             access_log=not http.disable_uvicorn_access_log,
             timeout_graceful_shutdown=http.shutdown_timeout + _CUT_OFF_GRACE_S,
+            ssl_keyfile=http.ssl_keyfile,
+            ssl_certfile=http.ssl_certfile,
         )
     )
     capacity = engine.engine.block_manager.num_blocks * config.block_size
@@ -368,7 +367,8 @@ async def _serve(
         return
     host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
     log.info(
-        "ready at http://%s:%d (serving %s at /v1; KV cache: %d tokens, max_model_len %d%s)",
+        "ready at %s://%s:%d (serving %s at /v1; KV cache: %d tokens, max_model_len %d%s)",
+        "https" if http.ssl_certfile else "http",
         host,
         http.port,
         name,
@@ -389,6 +389,20 @@ async def _cut_off_when_drain_ends(server, timeout: float) -> None:
         await asyncio.sleep(0.1)
     await asyncio.sleep(timeout)
     server.config.app.state.cut_off(timeout)
+
+
+def _check_tls(http) -> None:
+    """Refuse an incomplete or unreadable key pair now, before the model loads, instead of when uvicorn starts."""
+    if http.ssl_keyfile is None and http.ssl_certfile is None:
+        return
+    if http.ssl_keyfile is None or http.ssl_certfile is None:
+        raise SystemExit("pagoda serve: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(http.ssl_certfile, http.ssl_keyfile)
+    except OSError as exc:  # ssl.SSLError is one: a file that is missing, or not a matching PEM key and certificate
+        raise SystemExit(
+            f"pagoda serve: cannot use {http.ssl_certfile} and {http.ssl_keyfile} for HTTPS: {exc}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,12 +5,14 @@ Field metadata as in engine/config.py (help, choices, min, default_help), plus f
     metavar   the flag's value name
     repeat    True: the flag is given once per value (--api-key A --api-key B); otherwise it takes
               one or more values at once (--served-model-name A B)
+    parse     a function from the flag's text to the value, for values given as JSON (as vLLM takes them)
 
 This module imports nothing heavy (no torch), like the rest of server/ outside the engine's reach.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # The names of server/tool_parsers.py's and server/reasoning.py's parsers (a test keeps them in step).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def json_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's CORS flags take them: '["https://a.example", "https://b.example"]'."""
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError("not a JSON list of strings")
+    return tuple(value)
 
 
 def knob(default: Any, help: str, **metadata: Any) -> Any:
@@ -55,7 +65,8 @@ class ServerConfig:
     )
     served_model_name: list[str] | None = knob(
         None,
-        "the model name(s) clients use; the first is the one responses carry",
+        "the model name(s) clients use: each is taken as a request's model and listed by /v1/models; the first "
+        "is the one responses carry",
         metavar="NAME",
         default_help="MODEL as given, or SmolLM2-135M-Instruct",
     )
@@ -116,6 +127,56 @@ class ServerConfig:
         metavar="URL",
         default_help="no tracing",
     )
+    root_path: str | None = knob(
+        None,
+        "the path prefix a proxy serves the API under (e.g. /api): routes answer with and without it, and the "
+        "OpenAPI docs link through it",
+        metavar="PATH",
+        default_help="none",
+    )
+    allowed_origins: tuple[str, ...] = knob(
+        ("*",),
+        "CORS: the origins whose web pages may call the API, as a JSON list",
+        parse=json_list,
+        metavar="JSON",
+        default_help='["*"]: any',
+    )
+    allowed_methods: tuple[str, ...] = knob(
+        ("*",),
+        "CORS: the HTTP methods they may use, as a JSON list",
+        parse=json_list,
+        metavar="JSON",
+        default_help='["*"]: any',
+    )
+    allowed_headers: tuple[str, ...] = knob(
+        ("*",),
+        "CORS: the request headers they may send, as a JSON list",
+        parse=json_list,
+        metavar="JSON",
+        default_help='["*"]: any',
+    )
+    allow_credentials: bool = knob(False, "CORS: let those pages send cookies and Authorization headers")
+    ssl_keyfile: str | None = knob(
+        None, "serve HTTPS: the private key (PEM) of --ssl-certfile", metavar="FILE", default_help="plain HTTP"
+    )
+    ssl_certfile: str | None = knob(
+        None, "serve HTTPS: the certificate chain (PEM), with --ssl-keyfile", metavar="FILE", default_help="plain HTTP"
+    )
+    disable_fastapi_docs: bool = knob(False, "no /docs page and no /openapi.json")
+    log_requests: bool = knob(
+        True,
+        "a log line for each request as it ends: its id, prompt and generated tokens, TTFT, end-to-end time and "
+        "finish reason",
+        flags=("--enable-log-requests",),
+        off_flags=("--disable-log-requests",),
+    )
+    max_log_len: int | None = knob(
+        None,
+        "taken for vLLM's command lines: pagoda's request log lines print no prompt text, so there is nothing to cut",
+        min=0,
+        metavar="N",
+        default_help="all of it",
+    )
     shutdown_timeout: float = knob(
         30.0,
         "on SIGTERM, seconds to let in-flight requests finish; then each one still running ends with a 503 error "
@@ -124,7 +185,3 @@ class ServerConfig:
     )
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)
     disable_uvicorn_access_log: bool = knob(False, "no log line per HTTP request")
-    disable_log_requests: bool = knob(
-        False,
-        "no log line per finished request (its id, prompt and generated tokens, TTFT, end-to-end time, finish reason)",
-    )

@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def serve_actions() -> dict[str, object]:
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    return {a.dest: a for a in serve._actions}
+    actions = {}
+    for action in serve._actions:  # a flag's first action: a bool's --disable-x spelling comes after its --enable-x
+        actions.setdefault(action.dest, action)
+    return actions
 
 
 def test_readme_flag_table_is_the_generated_one():
@@ -41,7 +44,8 @@ def test_every_config_field_has_help_and_a_flag():
             assert f.name in actions, f"{cls.__name__}.{f.name} has no flag"
             action = actions[f.name]
             if f.name != "model":
-                assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+                flags = f.metadata.get("flags", ["--" + f.name.replace("_", "-")])
+                assert action.option_strings[: len(flags)] == list(flags)
                 assert action.default == f.default
                 assert f.metadata["help"] in action.help.replace("%%", "%")
             if "choices" in f.metadata:
