@@ -229,3 +229,46 @@ def test_constrained_rows_with_async_scheduling_and_graphs_match_masked_transfor
             ids.append(token)
         assert out == expected
     assert any(token in eos for out in outs[::2] for token in out)  # some grammar ran to its end
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_embeddings_on_cuda_equal_transformers_beside_graph_decodes(arch, tiny_model_dir):
+    """Embedding prompts (a one-token one among them, and one long enough for several chunks) pooled on the
+    GPU with the decode and piecewise prompt graphs on, while greedy requests decode beside them: every
+    vector equals transformers' last hidden state (last token and mean), and the greedy outputs equal
+    transformers' greedy."""
+    from engine.pooling_params import PoolingParams
+    from tests.test_embeddings import assert_close, hf_hidden
+
+    model_dir = tiny_model_dir(arch)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (1, 7, 40, 150)]
+    generating = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (9, 30)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hidden = [h.to("cpu") for h in hf_hidden(model_dir, prompts)]
+    expected = _hf_greedy_on_cuda(model_dir, generating, 24)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cuda",
+        attention_backend="triton",
+        num_gpu_blocks_override=256,
+        max_num_batched_tokens=64,
+    )
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.prefill_graphs is not None
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(generating):
+        engine.add_request(f"gen-{i}", prompt, greedy)
+    for kind in ("last", "mean"):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{kind}-{i}", prompt, PoolingParams(pooling_type=kind, normalize=False))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, h in enumerate(hidden):
+        assert_close(done[f"last-{i}"].embedding, h[-1])
+        assert_close(done[f"mean-{i}"].embedding, h.mean(0))
+    assert [done[f"gen-{i}"].outputs[0].token_ids for i in range(len(generating))] == expected
