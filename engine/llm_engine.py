@@ -18,6 +18,7 @@ from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from engine.stop_strings import StopMatcher
 from engine.structured import Grammars, StepMask
 
 log = logging.getLogger("pagoda.engine")
@@ -179,6 +180,8 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, priority=priority, pooling=pooling)
         if params.constraint is not None:
             request.grammar = self.compile_constraint(params)
+        if params.stop and self.tokenizer is not None:
+            request.stop_matcher = StopMatcher(params.stop)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         timeout = queue_timeout if queue_timeout is not None else self.config.queue_timeout
@@ -259,7 +262,7 @@ class LLMEngine:
                 self.tokenizer,
                 request.prompt_token_ids,
                 skip_special_tokens=request.params.skip_special_tokens,
-                stop=request.params.stop,
+                stop=request.stop_matcher or (),
                 include_stop_str_in_output=request.params.include_stop_str_in_output,
             )
         if request.grammar is not None:

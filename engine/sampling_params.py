@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 # A hard cap on top-k logprobs: each one costs a row gather per step.
 MAX_LOGPROBS = 20
+# Stop strings: generous for real clients (OpenAI takes 4), small enough that a request cannot make its
+# matcher costly to build (at most 64 x 256 automaton states) or hold back long stretches of a stream.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
 
 
 class InvalidParameter(ValueError):
@@ -115,6 +119,16 @@ class SamplingParams:
         )
         for token_id, bias in (self.logit_bias or {}).items():
             check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias for token {token_id} must be in [-100, 100]")
+        check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+        )
+        check(
+            all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+            "stop",
+            f"a stop string may be at most {MAX_STOP_LENGTH} characters long",
+        )
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative")
         check(
             self.output_kind in ("cumulative", "final_only"),

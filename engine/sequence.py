@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopMatcher
 
 PLACEHOLDER = -1  # a token id sampled by a step still on the device (async scheduling), not read yet
 
@@ -111,6 +112,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     queue_deadline: float | None = None  # finish with "timeout" if not scheduled by then
     grammar: object | None = None  # the compiled params.constraint (xgrammar CompiledGrammar)
+    stop_matcher: StopMatcher | None = None  # params.stop's, shared by the request's n sequences
     first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None

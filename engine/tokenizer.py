@@ -8,6 +8,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from engine.stop_strings import StopMatcher
+
 # Previous tokens decoded together with the new ones. Decoding a token alone can differ from
 # decoding it in context (sentencepiece drops the leading space of the first token, a multi-byte
 # character can be split across tokens), so new text is always the difference between decoding
@@ -95,9 +97,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         *,
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopMatcher = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
+        """`stop`: the stop strings, or their StopMatcher (the engine builds one per request for its n
+        sequences)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # The prompt's last tokens give the first output token its context; none that end
@@ -122,7 +126,9 @@ class IncrementalDetokenizer:
 
             # The same window algorithm, primed with the same context.
             self._stream = DecodeStream(ids=list(self._window), skip_special_tokens=skip_special_tokens)
-        self._stops = [s for s in stop if s]  # "" would match everywhere
+        matcher = stop if isinstance(stop, StopMatcher) else StopMatcher(stop)
+        self._stops = matcher if matcher.stops else None
+        self._state = 0  # the matcher's state for this text
         self._include_stop = include_stop_str_in_output
         self._pending = ""  # decoded text held back because it may be the start of a stop string
         self.text = ""
@@ -169,44 +175,21 @@ class IncrementalDetokenizer:
         return new_text
 
     def _emit(self, new_text: str, final: bool) -> str:
-        if not self._stops:
+        if self._stops is None:
             self.text += new_text
             return new_text
-        # No stop string can begin in text already emitted (its start would have been held
-        # back), so searching the held-back tail plus the new text is enough.
+        # The held-back tail is what the matcher's state stands for (no stop string can begin in text
+        # already emitted), so feeding it only the new text finds the stop string that ends first.
         buffer = self._pending + new_text
-        match = _first_stop(buffer, self._stops)
-        if match is not None:
-            start, stop = match
-            delta = buffer[: start + len(stop) if self._include_stop else start]
+        self._state, end = self._stops.scan(self._state, new_text)
+        if end is not None:
+            end += len(self._pending)
+            start = end - self._stops.matched(self._state)
+            delta = buffer[:end] if self._include_stop else buffer[:start]
             self._pending = ""
-            self.stopped, self.stop_string = True, stop
+            self.stopped, self.stop_string = True, buffer[start:end]
         else:
-            hold = 0 if final else _partial_stop_length(buffer, self._stops)
+            hold = 0 if final else self._stops.pending(self._state)
             delta, self._pending = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
         self.text += delta
         return delta
-
-
-def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(start, stop string) of the stop string that ends first in `text`, or None.
-
-    Ending first, not starting first, is what a token-by-token stream would see first, so the
-    answer does not depend on how the tokens were batched into `add` calls.
-    """
-    best = None
-    for stop in stops:
-        start = text.find(stop)
-        if start >= 0 and (best is None or (start + len(stop), start) < (best[0] + len(best[1]), best[0])):
-            best = (start, stop)
-    return best
-
-
-def _partial_stop_length(text: str, stops: list[str]) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of some stop string."""
-    longest = max(len(stop) for stop in stops) - 1
-    for length in range(min(longest, len(text)), 0, -1):
-        tail = text[-length:]
-        if any(len(stop) > length and stop.startswith(tail) for stop in stops):
-            return length
-    return 0

@@ -278,3 +278,11 @@ def test_fa4_prompt_route_is_off_where_it_does_not_apply(tiny_model_dir):
     runner = llm.engine.runner
     assert runner.backend.name == "cpu"
     assert all(attn.backend is runner.backend for attn in runner.model.attention_layers())
+
+
+def test_a_requests_stop_matcher_is_built_once_for_its_n_sequences(smol):
+    engine = smol.engine
+    request = engine.new_request("stops", [1, 2, 3], SamplingParams(n=4, stop=["a", "bc"], max_tokens=2))
+    seqs = [engine._new_sequence(request, i) for i in range(4)]
+    assert request.stop_matcher is not None
+    assert all(seq.detokenizer._stops is request.stop_matcher for seq in seqs)

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.default_model import default_model_dir
+from engine.stop_strings import StopMatcher
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -237,3 +238,58 @@ def test_stream_decoder_follows_the_prompt(metaspace_tokenizer, data, answer, sk
     full = tok.decode(prompt + output, skip_special_tokens=skip_special)
     assert full.startswith(before)
     assert detokenizer.text == full[len(before) :]
+
+
+def _first_stop_reference(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string that ends first in `text` (at one end, the one that starts first), by brute force."""
+    found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    return min(found)[1:] if found else None
+
+
+@hypothesis_settings
+@given(text=text(0, 30), stops=st.lists(text(1, 4), min_size=1, max_size=8), cut=st.integers(0, 30))
+def test_stop_matcher_finds_the_stop_that_ends_first(text, stops, cut):
+    matcher = StopMatcher(stops)
+    # Fed in two parts, as a stream feeds it: the state carries what the first part may have begun.
+    state, end = matcher.scan(0, text[:cut])
+    if end is None:
+        state, end = matcher.scan(state, text[cut:])
+        end = None if end is None else end + len(text[:cut])
+    expected = _first_stop_reference(text, stops)
+    assert (None if end is None else (end - matcher.matched(state), text[end - matcher.matched(state) : end])) == (
+        expected
+    )
+
+
+class _CountingList(list):
+    reads = 0
+
+    def __getitem__(self, index):
+        type(self).reads += 1
+        return super().__getitem__(index)
+
+
+def test_stop_matching_work_per_character_does_not_grow_with_the_stop_strings(tokenizer):
+    # Adversarial stop strings that all share the text's prefix "aaa...": a per-string search would redo
+    # each of them at every token. The automaton follows at most one fail link per character fed, amortized.
+    stops = ["a" * i + "b" for i in range(1, 65)]
+    output = tokenizer.encode("a" * 2000, add_special_tokens=False)
+    matcher = StopMatcher(stops)
+    matcher._fail = _CountingList(matcher._fail)
+    _CountingList.reads = 0
+    detokenizers = [IncrementalDetokenizer(tokenizer, [], stop=matcher) for _ in range(4)]  # one request, n=4
+    for detokenizer in detokenizers:
+        stream(detokenizer, output, [1])
+        assert detokenizer.text == "a" * 2000 and not detokenizer.stopped
+    assert _CountingList.reads <= 4 * 2000
+
+
+def test_stop_strings_are_bounded():
+    from engine.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
+
+    SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    SamplingParams(stop=["x" * MAX_STOP_LENGTH])
+    for stop in ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], ["x" * (MAX_STOP_LENGTH + 1)]):
+        with pytest.raises(InvalidParameter) as err:
+            SamplingParams(stop=stop)
+        assert err.value.param == "stop"
