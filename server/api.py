@@ -295,15 +295,42 @@ class _Server:
                 code="model_not_found",
             )
 
-    def admit(self) -> None:
+    def check_sequences(self, prompts: int, n: int, prompt_param: str = "prompt") -> None:
+        """Refuse, before any tokenizing, a request of `prompts` prompts x `n` that no wait could let in
+        (`prompt_param`: the prompts' field in the request, which the error names when n is 1).
+
+        A 400, not a 503: the openai SDK retries a 503 (after its Retry-After), and this request would be
+        refused again however long it waited; vLLM, too, answers a request that can never run with 400."""
+        sequences = prompts * n
+        param = "n" if n > 1 else prompt_param
+        cap = self.settings.http.max_sequences_per_request
+        if sequences > cap:
+            raise APIError(
+                400,
+                f"the request asks for {sequences} sequences ({prompts} prompts x n={n}); at most {cap} are allowed",
+                param=param,
+            )
+        limit = self.admission.limit
+        if limit is not None and sequences > limit:
+            raise APIError(
+                400,
+                f"the request asks for {sequences} sequences ({prompts} prompts x n={n}); this server queues at "
+                f"most {limit}",
+                param=param,
+            )
+
+    def admit(self, prompts: int, n: int) -> None:
+        """Let `prompts` x `n` more sequences queue, or refuse them: a 400 if they never could, a 503 to retry
+        later if they cannot now."""
+        self.check_sequences(prompts, n)
         if not self.engine.is_alive:
             raise EngineDeadError(str(self.engine.error or "stopped"))
         if self.stopping:
             raise ServerStopping("the server is shutting down")
-        if self.admission.full:
+        if not self.admission.fits(prompts * n):
             raise APIError(
                 503,
-                f"the server is at capacity: {self.admission.queued} requests are waiting; retry later",
+                f"the server is at capacity: {self.admission.queued} sequences are waiting; retry later",
                 "server_error",
                 code="queue_full",
                 headers={"Retry-After": str(_RETRY_AFTER_S)},
@@ -566,6 +593,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         _reject_unsupported(body)
         body = with_defaults(body, settings.chat.generation_defaults)
         params = body.sampling_params(body.max_tokens, body.logprobs, body.constraint())
+        server.check_sequences(_prompt_count(body.prompt), params.n)
         prompts = await server.in_thread(server.text_prompts, body.prompt)
         await server.compile(params)
         echo_texts = None
@@ -604,6 +632,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if empty is not None:  # OpenAI refuses them too, whatever a tokenizer would make of one
             where = "input" if isinstance(body.input, str) else f"input[{empty}]"
             raise APIError(400, f"{where} is an empty string", param="input")
+        server.check_sequences(_prompt_count(body.input), 1, "input")
         prompts = await server.in_thread(server.text_prompts, body.input, True, "input")
         job = render.Job(f"embd-{uuid.uuid4().hex}", int(time.time()), server.model_name, prompts, 1, False)
         try:
@@ -617,7 +646,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         # Every prompt is validated here, once (the engine does not check again), and before anything is
         # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
         requests = engine_requests(engine, request.state.request_id, job.prompts, params, priority)
-        server.admit()
+        server.admit(len(requests), params.n if isinstance(params, SamplingParams) else 1)
         server.charge(request, job.prompts, params)
         generation = Generation(
             request, engine, requests, server.admission, server.metrics, server.tracer, settings.http.log_requests
@@ -674,6 +703,11 @@ def docs_page(schema: dict) -> str:
         '<a href="/openapi.json">/openapi.json</a>.</p>'
         f"<table><tr><th>method</th><th>path</th><th></th></tr>{rows}</table>"
     )
+
+
+def _prompt_count(prompt: str | list) -> int:
+    """How many prompts completions' prompt holds, in any of its four shapes."""
+    return len(prompt) if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
 
 
 def _echo_texts(tokenizer, prompt: str | list, prompts: list[list[int]]) -> list[str]:

@@ -72,9 +72,16 @@ class ServerConfig:
     )
     max_waiting_requests: int | None = knob(
         None,
-        "at most this many requests queued without a first token; beyond it requests are answered 503 with Retry-After",
+        "at most this many sequences (a request's prompts x n) queued without a first token; a request that would "
+        "pass it is answered 503 with Retry-After, one that alone passes it 400",
         min=0,
         default_help="unbounded",
+    )
+    max_sequences_per_request: int = knob(
+        1024,
+        "at most N sequences (prompts x n) in one request; beyond it the request is refused with 400",
+        min=1,
+        metavar="N",
     )
     max_stored_responses: int = knob(
         1000,

@@ -46,14 +46,17 @@ class ServerStopping(Exception):
 
 @dataclass
 class Admission:
-    """Requests handed to the engine that have no token yet (queued or in prefill), and their bound."""
+    """Sequences handed to the engine that have no token yet (queued or in prefill), and their bound.
+
+    Sequences, not HTTP requests: one request of many prompts, or with a large n, queues as much work as
+    that many requests."""
 
     limit: int | None
     queued: int = 0
 
-    @property
-    def full(self) -> bool:
-        return self.limit is not None and self.queued >= self.limit
+    def fits(self, sequences: int) -> bool:
+        """Whether `sequences` more may queue now."""
+        return self.limit is None or self.queued + sequences <= self.limit
 
 
 def engine_requests(
@@ -91,7 +94,8 @@ class _Prompt:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.tracker = tracker
         self.last: RequestOutput | None = None  # the latest output, for the request's log line
-        self.queued = True  # counted in Admission until its first output (or its end)
+        self.sequences = request.params.n  # counted in Admission until its first output (or its end)
+        self.queued = True
         self.done = False  # no more outputs will come, or none are wanted
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
@@ -133,7 +137,7 @@ class Generation:
             _Prompt(self, i, request, RequestTracker(metrics, request.params.n)) for i, request in enumerate(requests)
         ]
         self._remaining = len(requests)
-        admission.queued += len(requests)
+        admission.queued += sum(prompt.sequences for prompt in self._prompts)
         self._watcher = asyncio.create_task(self._watch(http_request))
         for prompt, request in zip(self._prompts, requests, strict=True):
             try:
@@ -187,7 +191,7 @@ class Generation:
     def _dequeue(self, prompt: _Prompt) -> None:
         if prompt.queued:
             prompt.queued = False
-            self._admission.queued -= 1
+            self._admission.queued -= prompt.sequences
 
     def _log_end(self, prompt: _Prompt, reason: str) -> None:
         """The request's one log line (unless request logging is off): what it asked and got, how fast."""

@@ -651,3 +651,13 @@ def test_health_and_requests_are_503_when_the_engine_is_dead(tiny_model_dir, def
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     assert completion.status_code == 503 and completion.headers["retry-after"]
     assert json.loads(completion.text)["error"]["type"] == "server_error"
+
+
+def test_sequences_per_request_are_bounded(client):
+    # --max-sequences-per-request's default, 1024, counts prompts x n; refused before any prompt is tokenized.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[[1, 2]] * 1025, max_tokens=1)
+    assert err.value.body["param"] == "prompt" and "1025 sequences" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["x"] * 5, n=256, max_tokens=1)
+    assert err.value.body["param"] == "n" and "1280 sequences" in err.value.body["message"]

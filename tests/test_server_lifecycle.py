@@ -193,3 +193,16 @@ def test_async_scheduling_serves_the_same_answers_and_frees_aborted_blocks(tmp_p
         assert after[("pagoda:num_requests_running", ())] == 0
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_a_request_whose_sequences_alone_pass_the_queue_bound_is_a_400(server):
+    # --max-waiting-requests 1 bounds sequences: two prompts, or n=2, could never be let in, so no retry helps.
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "n": 2}, "n")):
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": NAME, "max_tokens": 1, **body},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "queues at most 1" in r.json()["error"]["message"]

@@ -193,3 +193,16 @@ def test_templated_chunks_are_the_bytes_pydantic_writes(text):
         choices=[ChatChunkChoice(index=1, delta=Delta(content=text), logprobs=None)],
     )
     assert chat.update(0, out) == ([expected.model_dump_json()] if text else [])
+
+
+def test_admission_counts_sequences_not_requests(async_engine):
+    async def main():
+        admission = Admission(10)
+        params = SamplingParams(n=3, temperature=1.0, max_tokens=2, ignore_eos=True)
+        requests = engine_requests(async_engine, "adm", [PROMPT] * 2, params, 0)
+        generation = Generation(Client().request, async_engine, requests, admission, Metrics("m", 64, 256))
+        queued, fits = admission.queued, (admission.fits(4), admission.fits(5))
+        _ = [item async for item in generation.outputs()]
+        return queued, fits, admission.queued
+
+    assert asyncio.run(main()) == (6, (True, False), 0)
