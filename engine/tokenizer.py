@@ -50,12 +50,25 @@ class Tokenizer:
     ) -> list[int]:
         """The prompt token ids for a chat, rendered by the model's own template (or `chat_template`),
         with `tools` and any extra variables the template reads (e.g. enable_thinking)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, chat_template, **template_kwargs)
+        # The template writes every special token itself (BOS included); adding them again would double them.
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs,
+    ) -> str:
+        """The prompt text of apply_chat_template(), before tokenizing (encode it without special tokens)."""
         if not (chat_template or self.hf.chat_template):
             raise ValueError(
                 "this model has no chat template (none in its tokenizer files); "
                 "use the completions API with a plain prompt instead"
             )
-        text = self.hf.apply_chat_template(
+        return self.hf.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
@@ -63,8 +76,6 @@ class Tokenizer:
             chat_template=chat_template,
             **template_kwargs,
         )
-        # The template writes every special token itself (BOS included); adding them again would double them.
-        return self.encode(text, add_special_tokens=False)
 
 
 def _eos_token_ids(hf, model_dir: Path) -> set[int]:

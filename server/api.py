@@ -69,6 +69,13 @@ _OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
 _PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 _RETRY_AFTER_S = 1  # queue full: a request finishes every few steps, so retry soon
 _DEAD_RETRY_AFTER_S = 30  # engine dead: this process will not recover; wait for a restart
+# A token is rarely more than a few characters (a long run of one repeated character can make one of ~16), so a
+# text over max_model_len x 64 characters cannot fit the context: it is refused without being tokenized, which
+# for megabytes of text takes seconds.
+_MAX_CHARS_PER_TOKEN = 64
+# A request whose body is bigger than this is tokenized on its own thread, so the many small ones (a millisecond
+# each) never wait behind its seconds.
+_LARGE_BODY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -213,6 +220,53 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class BodyLimitMiddleware:
+    """Reads a request's body whole before the app parses it, refusing one over `limit` bytes with 413: at
+    once if its Content-Length says so, else (a chunked body) as soon as that much has arrived. Records its
+    size in request.state.body_bytes."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await self._too_large().response()(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large().response()(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        scope.setdefault("state", {})["body_bytes"] = size
+        body: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal body
+            message, body = body, None
+            return message if message is not None else await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.limit} bytes",
+            param=None,
+            code="request_too_large",
+        )
+
+
 class CatchAllMiddleware:
     """Any exception no handler took becomes a logged 500 with an OpenAI-shaped body and no traceback.
 
@@ -263,9 +317,12 @@ class _Server:
         self.admission = Admission(settings.max_waiting_requests)
         self.strings = render.TokenStrings(self.tokenizer)
         # Tokenizing and templating run here, off the event loop, so a long prompt never stalls the
-        # streams. One thread is enough: a prompt takes a millisecond or so, and more threads would
-        # only compete with the engine for the cores.
+        # streams. One thread for small requests (a millisecond or so each) and one for large ones (see
+        # is_large), so a small one never queues behind seconds of tokenizing; more threads would only
+        # compete with the engine for the cores (the tokenizer releases the GIL while it works).
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
+        self.large_tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize-large")
+        self.max_prompt_chars = engine.max_model_len * _MAX_CHARS_PER_TOKEN
         # Grammar compiles: a complex schema can take a second; xgrammar runs its own threads inside.
         self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
         self.created = int(time.time())
@@ -283,8 +340,30 @@ class _Server:
         for generation in running:
             generation.cut_off(error)
 
-    async def in_thread(self, fn, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+    async def in_thread(self, fn, *args, large: bool = False) -> Any:
+        """fn(*args) in the tokenizer thread; `large`: in the one for large requests."""
+        pool = self.large_tokenize_pool if large else self.tokenize_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    @staticmethod
+    def is_large(request: Request) -> bool:
+        """Whether the request's body is big enough for its tokenizing to take long."""
+        return getattr(request.state, "body_bytes", 0) > _LARGE_BODY_BYTES
+
+    def check_length(self, text: str, param: str) -> None:
+        """Refuse a text too long for the context whatever its tokens, before paying for tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{param} has {len(text)} characters; this model's context length of {self.engine.max_model_len} "
+                f"tokens takes at most {self.max_prompt_chars} ({_MAX_CHARS_PER_TOKEN} per token)",
+                param=param.split("[")[0],
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """The text's token ids, unless check_length() refuses it."""
+        self.check_length(text, param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.settings.served_model_names:
@@ -370,7 +449,7 @@ class _Server:
         field in the request, for an error."""
         conversation = template_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.render_chat(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -379,6 +458,8 @@ class _Server:
             )
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param=param) from None
+        # The template writes every special token itself (BOS included); adding them again would double them.
+        return self.encode(text, False, param)
 
     def ends_in_reasoning(self, prompt: list[int]) -> bool:
         """Whether the rendered prompt leaves a <think> block open (the template opened it)."""
@@ -406,6 +487,13 @@ class _Server:
             return [list(p) for p in prompt]
         return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
 
+    def check_text_prompts(self, prompt: str | list, param: str = "prompt") -> None:
+        """check_length() of each text prompt of text_prompts(), on the event loop: a refusal waits for no
+        tokenizing."""
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        for i, text in enumerate(texts):
+            self.check_length(text, param if isinstance(prompt, str) else f"{param}[{i}]")
+
 
 def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     name = body.unsupported()
@@ -427,6 +515,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         # After uvicorn has drained the in-flight requests (or given up waiting).
         await asyncio.to_thread(engine.shutdown)
         server.tokenize_pool.shutdown(wait=False)
+        server.large_tokenize_pool.shutdown(wait=False)
         server.grammar_pool.shutdown(wait=False)
 
     http = settings.http
@@ -444,6 +533,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     )
     app.state.cut_off = server.cut_off  # for `pagoda serve`, when the shutdown's drain time is up
     app.add_middleware(CatchAllMiddleware)
+    # Added before the API-key check, so it runs after it: no body is read for a request without a key.
+    app.add_middleware(BodyLimitMiddleware, limit=http.max_request_body_bytes)
     if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     # Added after the API-key check, so it runs before it: a browser's preflight carries no API key, and a
@@ -521,17 +612,25 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return model_card(model)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
             tokens = await server.in_thread(
-                server.chat_prompt, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+                server.chat_prompt,
+                body.messages,
+                body.add_generation_prompt,
+                tools,
+                body.chat_template_kwargs,
+                large=server.is_large(request),
             )
         else:
-            tokens = await server.in_thread(server.tokenizer.encode, body.prompt, body.add_special_tokens)
+            server.check_length(body.prompt, "prompt")
+            tokens = await server.in_thread(
+                server.tokenizer.encode, body.prompt, body.add_special_tokens, large=server.is_large(request)
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
@@ -560,7 +659,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             constraint = constraint or plan.constraint
             params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, constraint)
             prompt = await server.in_thread(
-                server.chat_prompt, body.messages, True, plan.tools, body.chat_template_kwargs
+                server.chat_prompt,
+                body.messages,
+                True,
+                plan.tools,
+                body.chat_template_kwargs,
+                large=server.is_large(request),
             )
             await server.compile(params)
             parser = OutputParser(plan, settings.chat, server.ends_in_reasoning(prompt))
@@ -594,11 +698,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         body = with_defaults(body, settings.chat.generation_defaults)
         params = body.sampling_params(body.max_tokens, body.logprobs, body.constraint())
         server.check_sequences(_prompt_count(body.prompt), params.n)
-        prompts = await server.in_thread(server.text_prompts, body.prompt)
+        server.check_text_prompts(body.prompt)
+        prompts = await server.in_thread(server.text_prompts, body.prompt, large=server.is_large(request))
         await server.compile(params)
         echo_texts = None
         if body.echo:
-            echo_texts = await server.in_thread(_echo_texts, server.tokenizer, body.prompt, prompts)
+            echo_texts = await server.in_thread(
+                _echo_texts, server.tokenizer, body.prompt, prompts, large=server.is_large(request)
+            )
         job = render.Job(
             f"cmpl-{uuid.uuid4().hex}",
             int(time.time()),
@@ -633,7 +740,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             where = "input" if isinstance(body.input, str) else f"input[{empty}]"
             raise APIError(400, f"{where} is an empty string", param="input")
         server.check_sequences(_prompt_count(body.input), 1, "input")
-        prompts = await server.in_thread(server.text_prompts, body.input, True, "input")
+        server.check_text_prompts(body.input, "input")
+        prompts = await server.in_thread(server.text_prompts, body.input, True, "input", large=server.is_large(request))
         job = render.Job(f"embd-{uuid.uuid4().hex}", int(time.time()), server.model_name, prompts, 1, False)
         try:
             generation = start(request, job, PoolingParams(), 0)

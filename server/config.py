@@ -77,6 +77,13 @@ class ServerConfig:
         min=0,
         default_help="unbounded",
     )
+    max_request_body_bytes: int = knob(
+        16 * 1024 * 1024,
+        "refuse a request body over BYTES with 413, before it is parsed (at once when its Content-Length says "
+        "so, else as soon as that much has arrived)",
+        min=1,
+        metavar="BYTES",
+    )
     max_sequences_per_request: int = knob(
         1024,
         "at most N sequences (prompts x n) in one request; beyond it the request is refused with 400",

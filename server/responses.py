@@ -688,7 +688,9 @@ class ResponsesAPI:
             if plan.constraint is not None and constraint is not None:
                 raise InvalidParameter(constraint.param, f"tool_choice '{plan.mode}' cannot be combined with it")
             params = chat.sampling_params(chat.max_tokens, None, constraint or plan.constraint)
-            prompt = await server.in_thread(server.chat_prompt, chat.messages, True, plan.tools, None, "input")
+            prompt = await server.in_thread(
+                server.chat_prompt, chat.messages, True, plan.tools, None, "input", large=server.is_large(request)
+            )
             await server.compile(params)
             parser = OutputParser(plan, options, server.ends_in_reasoning(prompt))
             fmt = body.text.format if body.text is not None else None

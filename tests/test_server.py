@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -661,3 +662,73 @@ def test_sequences_per_request_are_bounded(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=["x"] * 5, n=256, max_tokens=1)
     assert err.value.body["param"] == "n" and "1280 sequences" in err.value.body["message"]
+
+
+# ----- hostile load: big bodies and prompts -----
+
+
+def _raw_post(url: str, head: bytes, body: bytes = b"") -> tuple[bytes, float]:
+    """Send a request's head and `body` over a plain socket; the response head and body, and the seconds to it."""
+    host, port = url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+            if b"\r\n\r\n" in response and response.endswith(b"}"):
+                break
+    return response, time.monotonic() - started
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
+    # The default limit, 16 MiB. A Content-Length over it is refused without waiting for a byte of the body...
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (17 * 1024 * 1024)
+    )
+    response, seconds = _raw_post(server.url, head)
+    assert response.startswith(b"HTTP/1.1 413") and seconds < 5
+    error = json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_too_large"
+    # ... and a chunked one (no Content-Length) as soon as more than that has come, never parsed as JSON.
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    mib = b"x" * (1024 * 1024)
+    response, seconds = _raw_post(server.url, head, (b"100000\r\n" + mib + b"\r\n") * 17)
+    assert response.startswith(b"HTTP/1.1 413") and seconds < 10
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_without_tokenizing(client):
+    # --max-model-len 1024: at most 1024 x 64 characters. 10 MB of words would take seconds to tokenize.
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="word " * 2_000_000, max_tokens=1)
+    assert err.value.body["param"] == "prompt" and "65536" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 20_000}])
+    assert err.value.body["param"] == "messages"
+    assert time.monotonic() - started < 5
+
+
+def test_a_small_request_does_not_wait_for_a_large_prompt_to_be_tokenized(server, client):
+    # 250 prompts of 60,000 characters each: within every bound (the body is ~15 MB), but seconds of tokenizing
+    # (their tokens then pass the context, a 400).
+    body = {"model": MODEL, "prompt": ["word " * 12_000] * 250, "max_tokens": 1}
+    large = {}
+
+    def send_large():
+        started = time.monotonic()
+        large["status"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code
+        large["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send_large)
+    thread.start()
+    time.sleep(1.0)  # its body is in; its tokenizing has begun
+    started = time.monotonic()
+    out = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
+    small_seconds = time.monotonic() - started
+    thread.join()
+    assert out.choices[0].message.content == "The capital of"
+    assert large["status"] == 400
+    assert small_seconds < 3 and large["seconds"] > small_seconds + 1, (small_seconds, large)
