@@ -193,6 +193,8 @@ class APIKeyMiddleware:
                 )
                 await error.response()(scope, receive, send)
                 return
+            # The client the rate limits charge: which key, never the header's text itself.
+            scope.setdefault("state", {})["client_key"] = f"key {matches.index(True)}"
         await self.app(scope, receive, send)
 
 
@@ -416,11 +418,15 @@ class _Server:
             )
 
     def charge(self, request: Request, prompts: list[list[int]], params: SamplingParams | PoolingParams) -> None:
-        """Rate limits, per client: its API key, or its address when it sends none."""
+        """Rate limits, per client: its validated API key when the server has keys, else its address (the
+        connection's peer, or the forwarded-for address a trusted proxy gives: --forwarded-allow-ips). Never
+        the Authorization header without keys: anyone could send a new one with each request."""
         limiter = self.settings.rate_limiter
         if not limiter.enabled:
             return
-        client = request.headers.get("authorization") or (request.client.host if request.client else "unknown")
+        client = getattr(request.state, "client_key", None)
+        if client is None:
+            client = f"address {request.client.host}" if request.client else "address unknown"
         max_len = self.engine.max_model_len
         tokens = sum(map(len, prompts))
         if isinstance(params, SamplingParams):  # an embedding request generates nothing

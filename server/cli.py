@@ -326,6 +326,10 @@ def serve_command(args: argparse.Namespace) -> int:
             port=http.port,
             log_level=http.uvicorn_log_level,
             access_log=not http.disable_uvicorn_access_log,
+            # uvicorn believes X-Forwarded-For from 127.0.0.1 (or $FORWARDED_ALLOW_IPS) unless told otherwise:
+            # then any local client could pose as any address and get a fresh rate-limit budget each time.
+            proxy_headers=http.forwarded_allow_ips is not None,
+            forwarded_allow_ips=http.forwarded_allow_ips,
             timeout_graceful_shutdown=http.shutdown_timeout + _CUT_OFF_GRACE_S,
             ssl_keyfile=http.ssl_keyfile,
             ssl_certfile=http.ssl_certfile,

@@ -49,8 +49,8 @@ class ServerConfig:
     )
     rate_limit_requests_per_minute: int | None = knob(
         None,
-        "per client (API key, or address without one): at most N requests a minute, as a token bucket; over it, "
-        "429 with Retry-After",
+        "per client (its API key when --api-key is set, else its address; see --forwarded-allow-ips): at most N "
+        "requests a minute, as a token bucket; over it, 429 with Retry-After",
         min=1,
         metavar="N",
         default_help="no limit",
@@ -62,6 +62,14 @@ class ServerConfig:
         min=1,
         metavar="N",
         default_help="no limit",
+    )
+    forwarded_allow_ips: str | None = knob(
+        None,
+        "the proxies whose X-Forwarded-For (and X-Forwarded-Proto) header is believed, as uvicorn takes them: a "
+        "comma-separated list of addresses or networks, or *; a request from one of them counts as from the "
+        "address the header names (for rate limits and the access log)",
+        metavar="IPS",
+        default_help="none: the client is the connection's peer address",
     )
     served_model_name: list[str] | None = knob(
         None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+_PRUNE_EVERY = 1024  # acquire() calls between sweeps of the refilled buckets
+
 
 @dataclass
 class TokenBucket:
@@ -36,6 +38,7 @@ class RateLimiter:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     _buckets: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
+    _calls: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +48,9 @@ class RateLimiter:
         """Charge `client` for one request of `tokens`: (0, None), or (seconds to wait, "requests" or
         "tokens": the limit that refused it), in which case nothing is charged."""
         now = time.monotonic() if now is None else now
+        self._calls += 1
+        if self._calls % _PRUNE_EVERY == 0:
+            self._prune(now)
         charges = []
         for kind, per_minute, amount in (
             ("requests", self.requests_per_minute, 1),
@@ -64,3 +70,11 @@ class RateLimiter:
         for _, bucket, amount in charges:
             bucket.level -= amount
         return 0.0, None
+
+    def _prune(self, now: float) -> None:
+        """Forget the buckets that have refilled: a new one is the same full bucket, and without this every
+        address that ever called would keep its buckets for the life of the process."""
+        for key, bucket in list(self._buckets.items()):
+            bucket.refill(now)
+            if bucket.level >= bucket.capacity:
+                del self._buckets[key]
