@@ -331,9 +331,10 @@ class _Server:
         self.generations: weakref.WeakSet[Generation] = weakref.WeakSet()  # those that may still be running
         self.stopping = False  # the drain time is up: no request is taken any more
 
-    def cut_off(self, timeout: float) -> None:
+    def cut_off(self, timeout: float) -> int:
         """The shutdown's drain time (`timeout` s) is up: end every request still running with a 503 error
-        (an error event and [DONE] in a stream), so each response ends properly instead of being cancelled."""
+        (an error event and [DONE] in a stream), so each response ends properly instead of being cancelled.
+        Returns how many were cut off."""
         self.stopping = True
         running = [g for g in self.generations if g.running]
         if running:
@@ -341,6 +342,7 @@ class _Server:
         error = ServerStopping(f"the server is shutting down and its drain time of {timeout:g} s is up")
         for generation in running:
             generation.cut_off(error)
+        return len(running)
 
     async def in_thread(self, fn, *args, large: bool = False) -> Any:
         """fn(*args) in the tokenizer thread; `large`: in the one for large requests."""

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics, /version). Flags are named as vllm "
         "serve names them. SIGTERM (or Ctrl-C) stops taking requests, lets the ones in flight finish within "
-        "--shutdown-timeout, and exits 0.",
+        "--shutdown-timeout, and exits 0 (1 when it had to cut requests off at that timeout).",
     )
     model = _model_field()
     serve.add_argument(
@@ -341,10 +341,12 @@ def serve_command(args: argparse.Namespace) -> int:
     # (Set only now: until the server runs, the default handlers stop a model load at once.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
-    asyncio.run(_serve(server, sock, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
+    cut = asyncio.run(_serve(server, sock, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
     if settings.tracer_provider is not None:
         settings.tracer_provider.shutdown()  # sends the spans still batched
-    return 0 if engine.error is None else 1
+    # Non-zero when the stop lost work (requests cut off at the drain time) or the engine had died, so a
+    # supervisor or a rollout can tell a clean stop from one that dropped requests.
+    return 0 if engine.error is None and cut == 0 else 1
 
 
 def _tracer_provider(endpoint: str | None):
@@ -362,13 +364,14 @@ def _tracer_provider(endpoint: str | None):
 
 async def _serve(
     server, sock: socket.socket, name: str, capacity: int, max_model_len: int, http, api_key_required: bool
-) -> None:
+) -> int:
+    """Serve until a shutdown ends; returns how many requests it cut off at the drain time."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if not server.started:
         await task
-        return
+        return 0
     host = "localhost" if http.host in ("0.0.0.0", "::") else http.host
     log.info(
         "ready at %s://%s:%d (serving %s at /v1; KV cache: %d tokens, max_model_len %d%s)",
@@ -385,14 +388,16 @@ async def _serve(
         await task
     finally:
         deadline.cancel()
+    return deadline.result() if deadline.done() and not deadline.cancelled() else 0
 
 
-async def _cut_off_when_drain_ends(server, timeout: float) -> None:
-    """Once a shutdown begins (SIGTERM, Ctrl-C), give the requests in flight `timeout` seconds, then end them."""
+async def _cut_off_when_drain_ends(server, timeout: float) -> int:
+    """Once a shutdown begins (SIGTERM, Ctrl-C), give the requests in flight `timeout` seconds, then end them;
+    returns how many it ended."""
     while not server.should_exit:  # uvicorn's own shutdown polls this flag too
         await asyncio.sleep(0.1)
     await asyncio.sleep(timeout)
-    server.config.app.state.cut_off(timeout)
+    return server.config.app.state.cut_off(timeout)
 
 
 def _check_tls(http) -> None:

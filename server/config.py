@@ -202,7 +202,7 @@ class ServerConfig:
     shutdown_timeout: float = knob(
         30.0,
         "on SIGTERM, seconds to let in-flight requests finish; then each one still running ends with a 503 error "
-        "(in a stream: an error event, then [DONE])",
+        "(in a stream: an error event, then [DONE]) and the process exits 1",
         min=0,
     )
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)

@@ -5,6 +5,7 @@ timeout, and 404s / docs for endpoints a client probes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import subprocess
@@ -181,7 +182,7 @@ def test_a_taken_port_fails_at_once_in_one_line():
     assert str(port) in line and "in use" in line
 
 
-def test_the_shutdown_timeout_ends_open_requests_with_an_error(tmp_path):
+def test_the_shutdown_timeout_ends_open_requests_with_an_error_and_exits_1(tmp_path):
     srv = start_server(tmp_path, *FLAGS, "--shutdown-timeout", "1", "--disable-log-requests")
     body = {"model": MODEL, "messages": FRANCE, "max_tokens": 1900, "ignore_eos": True}
     whole = {}
@@ -191,21 +192,35 @@ def test_the_shutdown_timeout_ends_open_requests_with_an_error(tmp_path):
 
     waiter = threading.Thread(target=whole_request)
     waiter.start()
-    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-        events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
-        assert '"content"' in next(events)
+    streams = 6
+    with contextlib.ExitStack() as stack:
+        responses = [
+            stack.enter_context(
+                httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+            )
+            for _ in range(streams)
+        ]
+        events = [(line[6:] for line in r.iter_lines() if line.startswith("data: ")) for r in responses]
+        for stream in events:
+            assert '"content"' in next(stream)
         signalled = time.monotonic()
         srv.process.terminate()
-        rest = list(events)
+        rests = [list(stream) for stream in events]
     ended = time.monotonic() - signalled
     waiter.join(60)
-    assert rest[-1] == "[DONE]"
-    error = httpx.Response(200, content=rest[-2]).json()["error"]
-    assert set(error) == ERROR_KEYS and error["code"] == "server_shutting_down"
+    for rest in rests:  # every stream ends with one error event, then [DONE]
+        assert rest[-1] == "[DONE]"
+        error = httpx.Response(200, content=rest[-2]).json()["error"]
+        assert set(error) == ERROR_KEYS and error["code"] == "server_shutting_down"
+        assert all('"error"' not in event for event in rest[:-2])
     assert 1 <= ended < 5  # cut off at the timeout, well before uvicorn's own backstop (timeout + 5 s)
     response = whole["response"]
     assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"
-    assert srv.process.wait(30) == 0
+    assert srv.process.wait(30) == 1  # requests were lost: not a clean stop
     log = srv.log()
-    assert "Traceback" not in log and "cutting off 2 request(s)" in log
+    for sign in ("Traceback", "CancelledError", "Exception in ASGI", "ASGI callable", "Cancel "):
+        assert sign not in log, log[-3000:]
+    assert [line for line in log.splitlines() if "shutdown timeout" in line or "cutting off" in line] == [
+        next(line for line in log.splitlines() if f"cutting off {streams + 1} request(s)" in line)
+    ]
     assert "finished (" not in log  # --disable-log-requests
