@@ -291,6 +291,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from engine.default_model import DEFAULT_MODEL_NAME
     from server.api import ServerSettings, build_app
     from server.chat import ChatOptions
+    from server.connection import protocol_class
     from server.ratelimit import RateLimiter
 
     if args.model and args.model_flag and args.model != args.model_flag:
@@ -331,6 +332,7 @@ def serve_command(args: argparse.Namespace) -> int:
             proxy_headers=http.forwarded_allow_ips is not None,
             forwarded_allow_ips=http.forwarded_allow_ips,
             timeout_graceful_shutdown=http.shutdown_timeout + _CUT_OFF_GRACE_S,
+            http=protocol_class(http.header_read_timeout, http.send_timeout),
             ssl_keyfile=http.ssl_keyfile,
             ssl_certfile=http.ssl_certfile,
         )

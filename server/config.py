@@ -205,5 +205,20 @@ class ServerConfig:
         "(in a stream: an error event, then [DONE]) and the process exits 1",
         min=0,
     )
+    header_read_timeout: float = knob(
+        30.0,
+        "close a connection whose request head (request line and headers) is not complete SECONDS after the "
+        "connection opened, or after the head's first byte on a kept-alive connection (slowloris)",
+        min=0.1,
+        metavar="SECONDS",
+    )
+    send_timeout: float = knob(
+        30.0,
+        "drop a connection whose client has read nothing for SECONDS while the server had data to send (its "
+        "kernel buffers full, about 300 KB unread): its requests are aborted as at a disconnect, freeing their KV "
+        "blocks",
+        min=0.1,
+        metavar="SECONDS",
+    )
     uvicorn_log_level: str = knob("info", "uvicorn's log level", choices=LOG_LEVELS)
     disable_uvicorn_access_log: bool = knob(False, "no log line per HTTP request")
