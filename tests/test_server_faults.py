@@ -6,8 +6,10 @@ fault that does not go away kills the engine: /health says 503 and the process e
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -100,15 +102,26 @@ def test_nan_logits_fail_one_request_while_its_batch_finishes(server, client):
     _assert_idle(server)
 
 
-def test_an_engine_that_keeps_failing_turns_health_503_and_exits_1(tmp_path):
-    srv = start_server(tmp_path, *FLAGS, env={"PAGODA_INJECT_FAULTS": "step:*:always"})
+def test_an_engine_that_keeps_failing_turns_health_503_and_exits_1(tmp_path, tiny_model_dir, default_model_dir):
+    # The tiny random model (it starts in a moment), with the default model's tokenizer files.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(default_model_dir) / name, model / name)
+    flags = ("--num-gpu-blocks-override", "32", "--disable-uvicorn-access-log")
+    srv = start_server(tmp_path, str(model), *flags, env={"PAGODA_INJECT_FAULTS": "step:*:always"})
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    served = client.models.list().data[0].id
+
+    def complete():
+        return client.completions.create(model=served, prompt=[1, 2, 3], max_tokens=4)
+
     try:
         for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
             with pytest.raises(openai.InternalServerError):
-                _chat(client)
+                complete()
         with pytest.raises(openai.APIStatusError) as info:  # the step that kills the engine
-            _chat(client)
+            complete()
         assert info.value.status_code == 503 and info.value.body["code"] == "engine_dead"
         died = time.monotonic()
         assert httpx.get(f"{srv.url}/health").status_code == 503
