@@ -77,6 +77,19 @@ def _broken_index(path: Path) -> Path:
     return index
 
 
+def _index_without_map(path: Path) -> Path:
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}}))
+    return index
+
+
+def _no_weights(path: Path) -> Path:
+    (path / "model.safetensors.index.json").unlink()
+    for shard in _shards(path):
+        shard.unlink()
+    return path
+
+
 def _wrong_shape(path: Path) -> Path:
     # [1, hidden] would broadcast into [vocab, hidden] if shapes were not compared.
     name = "model.embed_tokens.weight"
@@ -146,6 +159,8 @@ CORRUPTIONS = {
     "garbage shard": (_garbage, "safetensors"),
     "missing shard": (_missing_shard, "missing"),
     "broken index": (_broken_index, "invalid JSON"),
+    "index without weight_map": (_index_without_map, "weight_map"),
+    "no weights": (_no_weights, "no *.safetensors"),
     "shape contradicts config": (_wrong_shape, "shape"),
     "fused shape contradicts config": (_wrong_fused_shape, "shape"),
     "config contradicts shapes": (_config_contradicts, "shape"),
