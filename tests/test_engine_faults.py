@@ -5,6 +5,7 @@ away ends the engine with EngineFailedError instead of a hang."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.faults import FaultInjector
@@ -15,10 +16,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = {f"req-{i}": [5 + i, 17, 33 + 2 * i, 90, 7 * i + 1] for i in range(5)}
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        # On CUDA, with decode graphs and async scheduling: a fault leaves launched steps on the device.
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
+def llm(request, tiny_model_dir):
     # Two running at a time: with five requests, three wait while the first step runs.
-    return LLM(str(tiny_model_dir("qwen3")), dtype="float32", device="cpu", max_num_seqs=2, cpu_kv_cache_bytes=KV_BYTES)
+    device_kwargs = {"cpu_kv_cache_bytes": KV_BYTES} if request.param == "cpu" else {"num_gpu_blocks_override": 256}
+    return LLM(str(tiny_model_dir("qwen3")), dtype="float32", device=request.param, max_num_seqs=2, **device_kwargs)
 
 
 @pytest.fixture(scope="module")
