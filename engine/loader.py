@@ -29,7 +29,7 @@ class ModelLoadError(Exception):
         super().__init__(f"{path}: {problem}")
 
 
-def read_json(path: str | Path, what: str = "a JSON object") -> dict:
+def read_json(path: str | Path) -> dict:
     """A JSON object from `path`; ModelLoadError naming the file when it is unreadable or not an object."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -38,7 +38,7 @@ def read_json(path: str | Path, what: str = "a JSON object") -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(path, f"cannot be read ({exc})") from None
     if not isinstance(data, dict):
-        raise ModelLoadError(path, f"should hold {what}, not {type(data).__name__}")
+        raise ModelLoadError(path, f"should hold a JSON object, not {type(data).__name__}")
     return data
 
 
