@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from engine.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES
-from tests.test_server import FRANCE, PARIS, start_server, wait_for_metric
+from tests.test_server import FRANCE, PARIS, scrape, start_server, wait_for_metric
 
 FLAGS = ("--max-model-len", "512", "--num-gpu-blocks-override", "128", "--disable-uvicorn-access-log")
 
@@ -82,6 +82,7 @@ def test_a_failed_step_is_a_500_and_the_server_goes_on(server, client):
 
 
 def test_nan_logits_fail_one_request_while_its_batch_finishes(server, client):
+    errors_before = scrape(server.url).get(("pagoda:request_success_total", (("finished_reason", "error"),)), 0)
     results: dict[str, object] = {}
 
     def run(name: str, request_id: str | None) -> None:
@@ -100,6 +101,8 @@ def test_nan_logits_fail_one_request_while_its_batch_finishes(server, client):
     assert "non-finite logits" in str(results["victim"])
     assert [results[f"ok-{i}"] for i in range(3)] == [PARIS] * 3
     _assert_idle(server)
+    errors = scrape(server.url)[("pagoda:request_success_total", (("finished_reason", "error"),))]
+    assert errors == errors_before + 1
 
 
 def test_an_engine_that_keeps_failing_turns_health_503_and_exits_1(tmp_path, tiny_model_dir, default_model_dir):
