@@ -110,7 +110,7 @@ def test_nan_in_a_later_step_keeps_the_tokens_before(llm, baseline):
     assert finished["req-3"].outputs[0].token_ids == baseline["req-3"]
 
 
-def test_detokenizer_error_fails_one_sequence_of_n(tiny_model_dir, default_model_dir):
+def test_detokenizer_error_fails_one_sequence_of_n(default_model_dir):
     # The default model has a tokenizer (the tiny ones do not); n = 3: the request fails whole, the other
     # request does not notice.
     llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=256, cpu_kv_cache_bytes=KV_BYTES)
