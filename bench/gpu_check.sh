@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
+#   bash bench/gpu_check.sh tests faults greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -14,6 +14,8 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "cuda or kernel or triton" 2>&1 | tee $OUT/pytest-cuda.log | tail -5 ;;
+    faults) python3 -m pytest -q -p no:cacheprovider tests/test_engine_faults.py -k cuda 2>&1 \
+             | tee $OUT/pytest-cuda-faults.log | tail -5 ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or piecewise" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;

@@ -31,6 +31,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a fatal error or shutdown); no request can be served."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this request (RequestOutput.error: a failed step, non-finite logits, a detokenizer
+    error); the engine itself goes on with the others."""
+
+
 @dataclass
 class _Add:
     request: Request  # validated by new_request()
@@ -45,7 +50,7 @@ class _Abort:
 class OutputSink(Protocol):
     """Where one request's outputs go on the asyncio side. `put` is called on `loop`, with each
     RequestOutput in order, then, only if the request ended without a finished output, None (it was
-    aborted) or the exception that ended it (e.g. EngineDeadError)."""
+    aborted) or the exception that ended it (RequestFailed, EngineDeadError)."""
 
     loop: asyncio.AbstractEventLoop
 
@@ -223,14 +228,15 @@ class AsyncEngine:
         self._sinks[command.request.request_id] = command.sink
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, RequestOutput | RequestFailed]]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            by_loop.setdefault(sink.loop, []).append((sink, out))
+            item = out if out.error is None else RequestFailed(out.error)
+            by_loop.setdefault(sink.loop, []).append((sink, item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 

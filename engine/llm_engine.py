@@ -10,9 +10,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
-from engine.loader import resolve_model_dir
+from engine.faults import FaultInjector
+from engine.loader import ModelLoadError, check_model_files, resolve_model_dir
 from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -22,6 +25,14 @@ from engine.stop_strings import StopMatcher
 from engine.structured import Grammars, StepMask
 
 log = logging.getLogger("pagoda.engine")
+
+# Steps that fail one after another before the engine gives up (EngineFailedError): one failed step
+# fails its requests and the engine goes on; a fault that outlives them (a broken device) is fatal.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineFailedError(RuntimeError):
+    """Steps kept failing: the engine cannot serve any more requests."""
 
 
 @dataclass
@@ -64,10 +75,11 @@ class LLMEngine:
         else:
             model_dir = resolve_model_dir(config.model, config.revision, config.download_dir)
         self.model_dir = model_dir
+        check_model_files(model_dir)
         tokenizer_dir = model_dir
         if config.tokenizer is not None:
             tokenizer_dir = resolve_model_dir(config.tokenizer, cache_dir=config.download_dir)
-        self.tokenizer = _load_tokenizer(tokenizer_dir)
+        self.tokenizer = _load_tokenizer(tokenizer_dir, required=config.tokenizer is not None)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos(model_dir)
         self.eos_token_ids = eos
         self.runner = ModelRunner(config, model_dir, eos)
@@ -122,6 +134,17 @@ class LLMEngine:
         self._grammars: Grammars | None = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
         self.last_step: StepStats | None = None
+        self.consecutive_step_failures = 0
+        self.faults = FaultInjector.from_env()
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        """Test-only fault injection (engine/faults.py); None, the default, costs one check per step."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: FaultInjector | None) -> None:
+        self._faults = self.runner.faults = faults
 
     def _resolve_max_model_len(self, mc) -> int:
         limit = mc.max_position_embeddings
@@ -267,6 +290,9 @@ class LLMEngine:
             )
         if request.grammar is not None:
             seq.matcher = self.grammars.matcher(request.grammar)
+        if self._faults is not None and seq.detokenizer is not None:
+            if self._faults.detokenizer_fails(request.request_id):
+                seq.detokenizer.add = _failing_add
         request.seqs.append(seq)
         return seq
 
@@ -295,13 +321,28 @@ class LLMEngine:
 
         With async scheduling, the next step is scheduled and launched before this one's tokens
         are read, so the host work of one step overlaps the device work of the other: each call
-        completes the step launched by the call before and leaves its successor on the device."""
-        outputs = self._expire_queued()
+        completes the step launched by the call before and leaves its successor on the device.
+
+        A step that raises (a failing forward, device out of memory) fails the requests it held
+        (finish_reason "error", RequestOutput.error) and the engine goes on with the others; after
+        MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row it raises EngineFailedError."""
+        outputs: list[RequestOutput] = []
+        try:
+            self._step(outputs)
+        except Exception as exc:
+            outputs += self._recover(exc)
+            return outputs
+        self.consecutive_step_failures = 0
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
+        """step()'s work; outputs are appended as they are made, so a failure keeps those made before it."""
+        outputs += self._expire_queued()
         if self.in_flight is None:
             self.in_flight = self._launch()
             if self.in_flight is None:
                 self.last_step = self._with_occupancy(StepStats())
-                return outputs
+                return
         done = self.in_flight
         if self.prelaunched is not None:
             self.in_flight, self.prelaunched = self.prelaunched, None
@@ -316,7 +357,44 @@ class LLMEngine:
             self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
             if self._can_overlap():
                 self.prelaunched = self._launch(nxt)
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """After a step raised: fail every request with a running sequence (the failed step and any step
+        launched after it held those, and their state on the device is unknown), drop the launched steps,
+        and report every request that ended. Waiting and swapped requests go on untouched: their KV is
+        intact, and a block is named in the prefix cache only after a step that filled it succeeded."""
+        self.consecutive_step_failures += 1
+        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFailedError(
+                f"{self.consecutive_step_failures} steps failed in a row, the last with {exc!r}"
+            ) from exc
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        log.error("a step failed (%r); failing the requests it held", exc, exc_info=not oom)
+        if oom and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed step had taken
+        self.in_flight = self.prelaunched = None
+        what = "ran out of device memory" if oom else f"failed ({type(exc).__name__})"
+        for seq in list(self.scheduler.running):
+            if not seq.is_finished:
+                self.scheduler.fail(seq, f"the engine step that computed this request {what}")
+        outputs = []
+        now = time.monotonic()
+        for request in list(self.requests.values()):
+            if request.error is not None:
+                self._end_failed(request)
+            if request.is_finished:  # failed now, or finished by the step's update before it raised
+                request.finished_time = now
+                self.requests.pop(request.request_id)
+                outputs.append(RequestOutput.of(request))
+        self.last_step = self._with_occupancy(StepStats())
         return outputs
+
+    def _end_failed(self, request: Request) -> None:
+        """A request that one of its sequences failed ends whole: its other sequences end with it."""
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.fail(seq, request.error)
+            self.runner.pooler.forget(seq.seq_id)
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight returns its tokens:
@@ -348,6 +426,8 @@ class LLMEngine:
         # once that step's tokens are read.
         constrained = self._grammars is not None and any(seq.matcher is not None for seq, _ in sampling)
         defer = constrained and any(seq.matcher is not None and seq.num_pending for seq, _ in sampling)
+        if self._faults is not None:
+            self._faults.before_forward([item.seq.request.request_id for item in sched.scheduled])
         launched = self.runner.launch(
             sched.scheduled,
             sampling,
@@ -377,12 +457,17 @@ class LLMEngine:
     def _complete(self, step: _Step) -> list[RequestOutput]:
         """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""
         results = self.runner.collect(step.launched)
+        failed = self._fail_nonfinite(step.launched, results.token_ids)
         refused = self._advance_matchers(step.launched, results.token_ids)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
         touched += self._finish_pooled(step.launched)
         now = time.monotonic()
         outputs = []
-        for request in touched:
+        for request in failed + touched:
+            if request.error is not None:
+                if request.request_id not in self.requests:
+                    continue  # reported already (in `failed`, then in `touched`)
+                self._end_failed(request)
             if request.is_finished:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
@@ -391,6 +476,20 @@ class LLMEngine:
             outputs.append(RequestOutput.of(request))
         self.last_step = self._with_occupancy(step.stats)
         return outputs
+
+    def _fail_nonfinite(self, launched: LaunchedStep, token_ids: list[int]) -> list[Request]:
+        """End each sequence whose logits were not finite (the runner reads its token as -1) with an error;
+        their requests. The others of the step are untouched."""
+        if min(token_ids, default=0) >= 0:
+            return []
+        failed = []
+        for (seq, _), token in zip(launched.sampling, token_ids):
+            if token < 0 and not seq.is_finished:
+                log.error("request %s: the model's logits are not finite (NaN or inf)", seq.request.request_id)
+                self.scheduler.fail(seq, "the model produced non-finite logits (NaN or inf) for this request")
+                seq.matcher = None  # its grammar must not see the -1
+                failed.append(seq.request)
+        return failed
 
     def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int]) -> set[int]:
         """Advance the matchers of a step's constrained rows by their tokens; the rows whose token their
@@ -460,10 +559,18 @@ class LLMEngine:
         return children
 
 
-def _load_tokenizer(model_dir: str):
-    """The model's tokenizer, or None for a directory without tokenizer files (token-id prompts only)."""
+def _failing_add(token_ids: list[int]) -> str:
+    """A detokenizer's add() under an injected `detokenize` fault (engine/faults.py)."""
+    raise RuntimeError("injected fault: the detokenizer failed")
+
+
+def _load_tokenizer(model_dir: str, required: bool = False):
+    """The model's tokenizer, or None for a model directory without tokenizer files (token-id prompts only);
+    a tokenizer directory given on its own (`required`) must have them."""
     path = Path(model_dir)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        if required:
+            raise ModelLoadError(path, "no tokenizer files (tokenizer.json, tokenizer.model or tokenizer_config.json)")
         return None
     from engine.tokenizer import Tokenizer
 

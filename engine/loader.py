@@ -16,6 +16,31 @@ from engine.models import model_class
 
 log = logging.getLogger("pagoda.loader")
 
+# What config.json must give, each a positive integer, before any model code reads it.
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class ModelLoadError(Exception):
+    """A model directory that cannot be served: a missing, unreadable or inconsistent file. The message is
+    one line that names the file and the problem (`pagoda serve` prints it and exits 1)."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path = str(path)
+        super().__init__(f"{path}: {problem}")
+
+
+def read_json(path: str | Path) -> dict:
+    """A JSON object from `path`; ModelLoadError naming the file when it is unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(path, f"invalid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(path, f"cannot be read ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, f"should hold a JSON object, not {type(data).__name__}")
+    return data
+
 
 def resolve_model_dir(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """A directory as given; anything else is looked up as a model id in the local Hugging Face cache."""
@@ -38,7 +63,22 @@ def read_hf_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
-    return json.loads(path.read_text())
+    config = read_json(path)
+    for key in _REQUIRED_INTS:
+        value = config.get(key)
+        # bool is an int in Python, and never a size.
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(path, f"{key} should be a positive integer, not {value!r}")
+    return config
+
+
+def check_model_files(model_dir: str | Path) -> None:
+    """Read the JSON files of a model directory that pagoda and its server read later (config.json,
+    generation_config.json), so that a broken one fails start-up at once with its name."""
+    read_hf_config(model_dir)
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        read_json(generation_config)
 
 
 def head_dim_of(hf_config: dict) -> int:
@@ -71,9 +111,12 @@ def load_model(
     memory-mapped file straight to the device and copied in, so the host never holds the model.
     """
     hf_config = read_hf_config(model_dir)
-    cls = model_class(hf_config)
-    with _default_dtype(dtype), torch.device(device):
-        model = cls(hf_config, backend)
+    try:
+        cls = model_class(hf_config)
+        with _default_dtype(dtype), torch.device(device):
+            model = cls(hf_config, backend)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
+        raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
@@ -82,20 +125,69 @@ def load_model(
 
 
 def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir} (use load_format='dummy' for random weights)")
+    files = checkpoint_files(model_dir)
+    params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    if model.load_weight(name, f.get_tensor(name)):
-                        loaded.add(name)
+            try:
+                with safe_open(str(file), framework="pt", device=str(device)) as f:
+                    for name in f.keys():
+                        tensor = f.get_tensor(name)
+                        _check_dtype(file, name, tensor, model, params)
+                        if model.load_weight(name, tensor):
+                            loaded.add(name)
+            except ModelLoadError:
+                raise
+            except KeyError as exc:  # load_weight: a tensor the architecture has no place for
+                raise ModelLoadError(file, f"{exc.args[0]} (does config.json describe this checkpoint?)") from None
+            except ValueError as exc:  # load_weight: a shape that contradicts config.json
+                raise ModelLoadError(file, str(exc)) from None
+            except Exception as exc:  # safetensors' own errors: a truncated file, a garbage header
+                raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
     expected = _expected_checkpoint_names(model)
     missing = expected - {n.removeprefix("model.") for n in loaded}
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ModelLoadError(
+            model_dir, f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}"
+        )
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names (each must exist), else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index, "has no weight_map of tensor names to files")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not isinstance(name, str) or not (model_dir / name).is_file():
+                raise ModelLoadError(model_dir / str(name), f"missing: {index.name} names it as a checkpoint shard")
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(model_dir, "no *.safetensors files (use load_format='dummy' for random weights)")
+    return files
+
+
+def _check_dtype(
+    file: Path, name: str, tensor: torch.Tensor, model: nn.Module, params: dict[str, nn.Parameter]
+) -> None:
+    """A float parameter needs float weights: an integer or bool tensor in its place is a corrupt checkpoint.
+    (Only kinds are compared: a checkpoint in another float width is cast on copy.)"""
+    short = name.removeprefix("model.")
+    for part, (fused, _) in model.packed.items():
+        if f".{part}." in short:
+            short = short.replace(part, fused)
+    param = params.get(short)
+    if param is not None and param.is_floating_point() and not tensor.is_floating_point():
+        raise ModelLoadError(file, f"tensor {name!r} is {tensor.dtype}, but the model's weights are floats")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message's first line (the one a one-line report has room for)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _expected_checkpoint_names(model: nn.Module) -> set[str]:

@@ -369,15 +369,29 @@ class Scheduler:
         elif token in params.stop_token_ids and num_out >= params.min_tokens:
             self._stop(seq, "stop", token)
         elif seq.detokenizer is not None and self._detokenize(seq, token):
-            self._stop(seq, "stop", seq.detokenizer.stop_string)
+            if not seq.is_finished:  # else a detokenizer error ended it
+                self._stop(seq, "stop", seq.detokenizer.stop_string)
         elif self.ends_by_length(seq, slot + 1):
             self._stop(seq, "length", None)
 
-    @staticmethod
-    def _detokenize(seq: Sequence, token: int) -> bool:
-        """Append the token's text; whether a stop string ended the sequence."""
-        seq.text += seq.detokenizer.add([token])
+    def _detokenize(self, seq: Sequence, token: int) -> bool:
+        """Append the token's text; whether it ended the sequence: a stop string, or a detokenizer error."""
+        try:
+            seq.text += seq.detokenizer.add([token])
+        except Exception as exc:  # a tokenizer bug must end this sequence only, not the step of all the others
+            log.exception("request %s: detokenizing token %d failed", seq.request.request_id, token)
+            self.fail(seq, f"detokenizing the output failed: {exc}")
+            return True
         return seq.detokenizer.stopped
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End `seq` with finish_reason "error", its request failed with `error` (the engine ends its other
+        sequences and reports it)."""
+        del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+        seq.num_pending = 0
+        if seq.request.error is None:
+            seq.request.error = error
+        self.finish(seq, "error")
 
     def _stop(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         # A token already planned past this one (async scheduling) is dropped with the sequence.

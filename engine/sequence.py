@@ -46,7 +46,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks (prefix cache)
     swapped_blocks: list[int] = field(default_factory=list)  # CPU swap-pool blocks, while SWAPPED
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" (never scheduled in time)
+    # "stop" | "length" | "abort" | "timeout" (never scheduled in time) | "error" (see Request.error)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
@@ -113,6 +114,9 @@ class Request:
     queue_deadline: float | None = None  # finish with "timeout" if not scheduled by then
     grammar: object | None = None  # the compiled params.constraint (xgrammar CompiledGrammar)
     stop_matcher: StopMatcher | None = None  # params.stop's, shared by the request's n sequences
+    # Set when the engine failed this request (a failed step, non-finite logits, a detokenizer error): it
+    # ends at once, every sequence with finish_reason "error", and the server answers it with a 500.
+    error: str | None = None
     first_scheduled_time: float | None = None  # end of queueing: its first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -130,8 +134,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if self.seqs and self.seqs[0].finish_reason == "timeout":
-            return True  # timed out before the n - 1 children were forked
+        if self.seqs and self.seqs[0].finish_reason in ("timeout", "error"):
+            return True  # ended before the n - 1 children were forked
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
@@ -167,6 +171,7 @@ class RequestOutput:
     finished: bool
     times: RequestTimes | None = None
     embedding: list[float] | None = None
+    error: str | None = None  # the engine failed the request (see Request.error); finished is then True
 
     @classmethod
     def of(cls, request: Request) -> RequestOutput:
@@ -186,5 +191,12 @@ class RequestOutput:
         )
         embedding = request.seqs[0].embedding if request.pooling is not None else None
         return cls(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished, times, embedding
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            request.is_finished,
+            times,
+            embedding,
+            request.error,
         )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from engine.loader import ModelLoadError, first_line, read_json
 from engine.stop_strings import StopMatcher
+
+# The tokenizer's JSON files, parsed first so that a broken one is named (transformers' own error does not).
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 # Previous tokens decoded together with the new ones. Decoding a token alone can differ from
 # decoding it in context (sentencepiece drops the leading space of the first token, a multi-byte
@@ -26,7 +29,13 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        for name in _TOKENIZER_JSON:
+            if (model_dir / name).is_file():
+                read_json(model_dir / name)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except Exception as exc:  # a missing vocabulary file, a class transformers does not know, ...
+            raise ModelLoadError(model_dir, f"the tokenizer cannot be loaded: {first_line(exc)}") from None
         # len() counts added tokens; it can be smaller than the model's (padded) embedding.
         self.vocab_size: int = len(self.hf)
         self.bos_token_id: int | None = self.hf.bos_token_id
@@ -82,7 +91,7 @@ def _eos_token_ids(hf, model_dir: Path) -> set[int]:
     ids = set() if hf.eos_token_id is None else {hf.eos_token_id}
     generation_config = model_dir / "generation_config.json"
     if generation_config.is_file():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        eos = read_json(generation_config).get("eos_token_id")
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, list):

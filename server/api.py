@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server import render
@@ -142,6 +142,8 @@ def as_api_error(exc: Exception) -> APIError:
             code="engine_dead",
             headers={"Retry-After": str(_DEAD_RETRY_AFTER_S)},
         )
+    if isinstance(exc, RequestFailed):  # the engine logged why; the others' requests go on
+        return APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
     log.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, "internal server error; the server log has the details", "server_error")
 
@@ -578,7 +580,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _on_error(request: Request, exc: Exception) -> Response:
         return as_api_error(exc).response()
 
-    for exc_type in (APIError, InvalidParameter, ResponsesError, EngineDeadError, QueueTimeout, ServerStopping):
+    for exc_type in (
+        APIError,
+        InvalidParameter,
+        ResponsesError,
+        EngineDeadError,
+        RequestFailed,
+        QueueTimeout,
+        ServerStopping,
+    ):
         app.add_exception_handler(exc_type, _on_error)
 
     playground = _PLAYGROUND.read_bytes()

@@ -40,6 +40,8 @@ _TABLE_END = "<!-- end of the generated flag table -->"
 # uvicorn cancels what still runs this long after --shutdown-timeout; by then pagoda has ended every
 # request itself (the app's cut_off), so this is only a backstop.
 _CUT_OFF_GRACE_S = 5.0
+# How long /health answers 503 before a server whose engine died exits.
+_DEAD_ENGINE_GRACE_S = 1.0
 
 
 # ----- flags from config fields -----
@@ -289,6 +291,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from engine.async_engine import AsyncEngine
     from engine.default_model import DEFAULT_MODEL_NAME
+    from engine.loader import ModelLoadError
     from server.api import ServerSettings, build_app
     from server.chat import ChatOptions
     from server.connection import protocol_class
@@ -318,7 +321,7 @@ def serve_command(args: argparse.Namespace) -> int:
             http,
         )
         app = build_app(engine, settings)
-    except (ValueError, RuntimeError, OSError) as exc:  # a configuration the model or machine cannot take
+    except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:  # a model, config or machine it cannot take
         raise SystemExit(f"pagoda serve: {exc}") from None
     server = uvicorn.Server(
         uvicorn.Config(
@@ -343,7 +346,7 @@ def serve_command(args: argparse.Namespace) -> int:
     # (Set only now: until the server runs, the default handlers stop a model load at once.)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: None)
-    cut = asyncio.run(_serve(server, sock, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
+    cut = asyncio.run(_serve(server, engine, sock, names[0], capacity, engine.max_model_len, http, bool(api_keys)))
     if settings.tracer_provider is not None:
         settings.tracer_provider.shutdown()  # sends the spans still batched
     # Non-zero when the stop lost work (requests cut off at the drain time) or the engine had died, so a
@@ -365,7 +368,7 @@ def _tracer_provider(endpoint: str | None):
 
 
 async def _serve(
-    server, sock: socket.socket, name: str, capacity: int, max_model_len: int, http, api_key_required: bool
+    server, engine, sock: socket.socket, name: str, capacity: int, max_model_len: int, http, api_key_required: bool
 ) -> int:
     """Serve until a shutdown ends; returns how many requests it cut off at the drain time."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -386,11 +389,25 @@ async def _serve(
         ", API key required" if api_key_required else "",
     )
     deadline = asyncio.create_task(_cut_off_when_drain_ends(server, http.shutdown_timeout))
+    watch = asyncio.create_task(_stop_when_engine_dies(server, engine))
     try:
         await task
     finally:
         deadline.cancel()
+        watch.cancel()
     return deadline.result() if deadline.done() and not deadline.cancelled() else 0
+
+
+async def _stop_when_engine_dies(server, engine) -> None:
+    """A dead engine (steps kept failing) serves nothing: once /health has said 503 for a moment (load
+    balancers poll it), stop the server; serve_command then exits 1. A supervisor restarts it."""
+    while engine.is_alive:
+        await asyncio.sleep(0.2)
+    if server.should_exit:  # a shutdown stopped the engine
+        return
+    log.error("the engine died (%s); the server stops", engine.error or "stopped")
+    await asyncio.sleep(_DEAD_ENGINE_GRACE_S)
+    server.should_exit = True
 
 
 async def _cut_off_when_drain_ends(server, timeout: float) -> int:

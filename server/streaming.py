@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestFailed
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request as EngineRequest
@@ -168,7 +168,11 @@ class Generation:
                     reasons = dict.fromkeys(c.finish_reason or "abort" for c in item.outputs)
                     self._end(prompt, ",".join(reasons))
                 return
-        reason = "timeout" if isinstance(item, QueueTimeout) else "abort"
+        reason = "abort"
+        if isinstance(item, QueueTimeout):
+            reason = "timeout"
+        elif isinstance(item, RequestFailed):
+            reason = "error"
         if isinstance(item, BaseException):
             prompt.tracker.on_abort(reason)
             self._push(prompt.index, item)

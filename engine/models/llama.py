@@ -181,11 +181,11 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name.replace(part, fused)]
                 sizes = self._shard_sizes(fused)
                 start = sum(sizes[:index])
-                param.data.narrow(0, start, sizes[index]).copy_(tensor)
+                _copy_checked(name, param.data.narrow(0, start, sizes[index]), tensor)
                 return True
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-        params[name].data.copy_(tensor)
+        _copy_checked(name, params[name].data, tensor)
         return True
 
     def _shard_sizes(self, fused: str) -> list[int]:
@@ -193,6 +193,15 @@ class LlamaForCausalLM(nn.Module):
         if fused == "qkv_proj":
             return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+    # copy_ would broadcast a tensor of a wrong but compatible shape ([1, n] into [m, n]) without a word.
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"tensor {name!r} has shape {list(tensor.shape)}, but config.json makes it {list(target.shape)}"
+        )
+    target.copy_(tensor)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

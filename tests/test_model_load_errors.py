@@ -1,0 +1,216 @@
+"""Corrupted checkpoints: each corruption a user can cause ends start-up with ModelLoadError, one line that
+names the file and the problem; `pagoda serve` prints that line and exits 1, with no traceback.
+
+Each case corrupts a copy of a tiny random checkpoint (tests/conftest.py) that carries the default model's
+tokenizer files, so the tokenizer's files can be broken too."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM
+from engine.loader import ModelLoadError
+from tests.conftest import KV_BYTES
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_model_dir, default_model_dir):
+    """A fresh copy of the tiny sharded llama checkpoint, with the default model's tokenizer files."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    for name in _TOKENIZER_FILES:
+        if (Path(default_model_dir) / name).is_file():
+            shutil.copy(Path(default_model_dir) / name, path / name)
+    return path
+
+
+def _load(path: Path, **kwargs) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, **kwargs)
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def _shard_of(path: Path, tensor: str) -> Path:
+    return path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+
+
+def _rewrite(shard: Path, change) -> None:
+    """Rewrite one shard with change(tensors) applied (a dict of name -> tensor, changed in place)."""
+    tensors = load_file(str(shard))
+    change(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _truncate(path: Path) -> Path:
+    shard = _shards(path)[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard
+
+
+def _garbage(path: Path) -> Path:
+    shard = _shards(path)[-1]
+    shard.write_bytes(b"\x93\x01garbage" * 1000)
+    return shard
+
+
+def _missing_shard(path: Path) -> Path:
+    shard = _shards(path)[1]
+    shard.unlink()
+    return shard
+
+
+def _broken_index(path: Path) -> Path:
+    index = path / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    return index
+
+
+def _index_without_map(path: Path) -> Path:
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}}))
+    return index
+
+
+def _no_weights(path: Path) -> Path:
+    (path / "model.safetensors.index.json").unlink()
+    for shard in _shards(path):
+        shard.unlink()
+    return path
+
+
+def _wrong_shape(path: Path) -> Path:
+    # [1, hidden] would broadcast into [vocab, hidden] if shapes were not compared.
+    name = "model.embed_tokens.weight"
+    shard = _shard_of(path, name)
+    _rewrite(shard, lambda t: t.__setitem__(name, t[name][:1].clone()))
+    return shard
+
+
+def _wrong_fused_shape(path: Path) -> Path:
+    name = "model.layers.0.self_attn.k_proj.weight"
+    shard = _shard_of(path, name)
+    _rewrite(shard, lambda t: t.__setitem__(name, t[name][:, :-8].clone()))
+    return shard
+
+
+def _wrong_dtype(path: Path) -> Path:
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = _shard_of(path, name)
+    _rewrite(shard, lambda t: t.__setitem__(name, t[name].to(torch.int32)))
+    return shard
+
+
+def _missing_tensor(path: Path) -> Path:
+    name = "model.layers.1.post_attention_layernorm.weight"
+    shard = _shard_of(path, name)
+    _rewrite(shard, lambda t: t.pop(name))
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"][name]
+    index.write_text(json.dumps(data))
+    return path
+
+
+def _config_contradicts(path: Path) -> Path:
+    config = path / "config.json"
+    data = json.loads(config.read_text())
+    data["intermediate_size"] *= 2
+    config.write_text(json.dumps(data))
+    return _shard_of(path, "model.layers.0.mlp.down_proj.weight")
+
+
+def _config_missing_key(path: Path) -> Path:
+    config = path / "config.json"
+    data = json.loads(config.read_text())
+    del data["hidden_size"]
+    config.write_text(json.dumps(data))
+    return config
+
+
+def _invalid_json(name: str):
+    def corrupt(path: Path) -> Path:
+        (path / name).write_text('{"oops": ')
+        return path / name
+
+    corrupt.__name__ = f"invalid {name}"
+    return corrupt
+
+
+def _missing_tokenizer_json(path: Path) -> Path:
+    # tokenizer_config.json says there is a tokenizer; its vocabulary is gone.
+    (path / "tokenizer.json").unlink()
+    return path
+
+
+CORRUPTIONS = {
+    "truncated shard": (_truncate, "safetensors"),
+    "garbage shard": (_garbage, "safetensors"),
+    "missing shard": (_missing_shard, "missing"),
+    "broken index": (_broken_index, "invalid JSON"),
+    "index without weight_map": (_index_without_map, "weight_map"),
+    "no weights": (_no_weights, "no *.safetensors"),
+    "shape contradicts config": (_wrong_shape, "shape"),
+    "fused shape contradicts config": (_wrong_fused_shape, "shape"),
+    "config contradicts shapes": (_config_contradicts, "shape"),
+    "integer weights": (_wrong_dtype, "int32"),
+    "missing tensor": (_missing_tensor, "lacks 1 tensors"),
+    "config lacks a size": (_config_missing_key, "hidden_size"),
+    "invalid config.json": (_invalid_json("config.json"), "invalid JSON"),
+    "invalid generation_config.json": (_invalid_json("generation_config.json"), "invalid JSON"),
+    "invalid tokenizer.json": (_invalid_json("tokenizer.json"), "invalid JSON"),
+    "invalid tokenizer_config.json": (_invalid_json("tokenizer_config.json"), "invalid JSON"),
+    "missing tokenizer.json": (_missing_tokenizer_json, "tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corruption_is_one_line_naming_the_file(model_copy, case):
+    corrupt, problem = CORRUPTIONS[case]
+    culprit = corrupt(model_copy)
+    with pytest.raises(ModelLoadError) as info:
+        _load(model_copy)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(culprit)), message
+    assert problem in message, message
+
+
+def test_tokenizer_directory_without_tokenizer(model_copy, tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        _load(model_copy, tokenizer=str(tiny_model_dir("qwen2")))
+
+
+def test_intact_copy_loads(model_copy):
+    # The copies above fail for their corruption, not for being copies.
+    llm = _load(model_copy)
+    assert llm.tokenizer is not None
+
+
+def _serve(model: Path) -> subprocess.CompletedProcess:
+    pagoda = Path(sys.executable).with_name("pagoda")
+    cmd = [str(pagoda), "serve", str(model), "--port", "0", "--dtype", "float32", "--device", "cpu"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["truncated shard", "invalid tokenizer.json"])
+def test_serve_prints_one_line_and_exits_1(model_copy, case):
+    corrupt, problem = CORRUPTIONS[case]
+    culprit = corrupt(model_copy)
+    done = _serve(model_copy)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pagoda serve: {culprit}"), done.stderr[-3000:]
+    assert problem in last
