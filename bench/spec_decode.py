@@ -1,11 +1,13 @@
 r"""N-gram speculative decoding against none, one process, batch 1, on a prompt-lookup-friendly workload.
 
     python -m bench.spec_decode [--passages 4] [--max-tokens 128] [--k 5] [--lookup-min 2] [--lookup-max 5] \
-        [--device cpu] [--out FILE]
+        [--task repeat|free] [--device cpu] [--out FILE]
 
 Each prompt asks the default model (SmolLM2-135M-Instruct, through its chat template) to repeat a passage of
 the Jargon File (bench/data/jargon-file-4.4.7.txt) with one word changed, so most of the output is text the
-prompt already holds. Both engines (without and with --speculative-config) are loaded once; each passage is
+prompt already holds (--task free: to tell a story the passage brings to mind instead, which asks for no
+repetition, though a small model repeats itself anyway). Both
+engines (without and with --speculative-config) are loaded once; each passage is
 generated greedily by one then the other, alternating which goes first, after a warm-up request on each. One
 JSON line per engine and passage, then a summary line: output tok/s of both and the speedup, the measured
 per-token acceptance a (accepted draft tokens / (accepted + rejections)), the mean draft length k, the cost
@@ -52,13 +54,14 @@ def passages(count: int, chars: int = 700) -> list[str]:
     return out
 
 
-def prompt_of(passage: str) -> list[dict]:
-    return [
-        {
-            "role": "user",
-            "content": "Repeat the following text exactly, but write 'computer' instead of 'machine':\n\n" + passage,
-        }
-    ]
+def prompt_of(passage: str, task: str) -> list[dict]:
+    """repeat: the prompt-lookup-friendly task; free: a story the passage brings to mind, in new words."""
+    if task == "repeat":
+        content = "Repeat the following text exactly, but write 'computer' instead of 'machine':\n\n" + passage
+    else:
+        content = "In your own words, tell a short story about a programmer that this text reminds you of:\n\n"
+        content += passage[:200]
+    return [{"role": "user", "content": content}]
 
 
 def timed_run(llm: LLM, prompt: list[int], max_tokens: int) -> dict:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=5)
+    parser.add_argument("--task", choices=("repeat", "free"), default="repeat", help="see prompt_of")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="JSONL file (default: bench.naming's results path)")
     args = parser.parse_args(argv)
@@ -113,11 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(device=args.device, max_model_len=2048, cpu_kv_cache_bytes=256 << 20)
     engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
     tokenizer = engines["plain"].tokenizer
-    prompts = [tokenizer.apply_chat_template(prompt_of(p), add_generation_prompt=True) for p in passages(args.passages)]
+    prompts = [
+        tokenizer.apply_chat_template(prompt_of(p, args.task), add_generation_prompt=True)
+        for p in passages(args.passages)
+    ]
     for llm in engines.values():  # warm-up: first-call costs are not timed
         llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
-    out_path = Path(args.out or results_path("spec-ngram", args.device))
+    out_path = Path(args.out or results_path("spec-ngram" + ("-free" if args.task == "free" else ""), args.device))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_at_start": os.getloadavg()[0],
         "command": "python -m bench.spec_decode " + shlex.join(sys.argv[1:] if argv is None else argv),
         "speculative_config": spec,
+        "task": args.task,
     }
     runs: dict[str, list[dict]] = {"plain": [], "ngram": []}
     lines = []

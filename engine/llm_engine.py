@@ -312,7 +312,7 @@ class LLMEngine:
         if self.prelaunched is not None:
             self.in_flight, self.prelaunched = self.prelaunched, None
         else:
-            self.in_flight = self._launch(done) if self._can_overlap() else None
+            self.in_flight = self._launch(done) if self._can_overlap(done) else None
         outputs += self._complete(done)
         nxt = self.in_flight
         if nxt is not None and nxt.launched.logits is not None:
@@ -320,18 +320,22 @@ class LLMEngine:
             # forward after it is enqueued at once, so the device goes from this sampling straight into
             # it instead of waiting for the next call to schedule it.
             self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
-            if self._can_overlap():
+            if self._can_overlap(nxt):
                 self.prelaunched = self._launch(nxt)
         return outputs
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight returns its tokens:
-        not when a penalty needs the generated tokens themselves on the host, nor when the next step may
-        speculate (its drafts are proposed from the tokens the step in flight samples)."""
+    def _can_overlap(self, in_flight: _Step) -> bool:
+        """Whether the next step may be scheduled before `in_flight` returns its tokens: not when a penalty
+        needs the generated tokens themselves on the host, nor around speculation: the next step's drafts
+        are proposed from the tokens in flight, and a verify step's computed tokens are only known once its
+        drafts are checked."""
         return (
             self.config.async_scheduling
             and not any(s.request.params.reads_output_tokens for s in self.scheduler.running)
-            and (self.speculator is None or not self.speculator.speculates(self.scheduler.running))
+            and (
+                self.speculator is None
+                or (in_flight.plan.drafts is None and not self.speculator.speculates(self.scheduler.running))
+            )
         )
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:

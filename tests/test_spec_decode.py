@@ -109,6 +109,42 @@ def test_cost_model_drafts_more_when_acceptance_is_high():
     assert k[0] == 0 and k[1] <= 1 and 1 <= k[2] < 5 and k[3] == 5
 
 
+def test_speculation_turns_off_for_a_low_acceptance_sequence_and_probes_again():
+    """The cost model: a sequence whose drafts keep failing stops drafting (k' = 0), and drafts one token
+    again after 16 steps without; another, whose drafts hold, keeps the full k."""
+    from engine.sequence import Request, Sequence, SequenceStatus
+    from engine.spec_decode.speculator import _PROBE_EVERY, Speculator
+
+    config = SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 4})
+    speculator = Speculator(config, max_model_len=1024)
+    seqs = []
+    for seq_id in range(2):
+        tokens = [5, 6, 7, 8, 9, 10, 11] * 3
+        request = Request(f"r{seq_id}", None, tokens, SamplingParams(max_tokens=100))
+        seq = Sequence(seq_id, request, 0, 0, list(tokens), status=SequenceStatus.RUNNING)
+        seq.num_computed_tokens = len(tokens) - 1  # decoding: its last token is the one to compute
+        seqs.append(seq)
+    failing, holding = seqs
+    first = speculator.drafts(seqs)
+    assert first[0] == first[1] == [5, 6]  # the prior (a = 0.5) with c = 0.15: k' = 2
+    for _ in range(5):
+        speculator.observe(failing, 2, 0)  # rejected at their first token
+        speculator.observe(holding, 2, 2)  # accepted whole
+    drafts = [speculator.drafts(seqs) for _ in range(_PROBE_EVERY)]
+    assert all(d[1] == [5, 6, 7, 8] for d in drafts)
+    assert [d.get(0) for d in drafts[:-1]] == [None] * (_PROBE_EVERY - 1) and drafts[-1][0] == [5]
+
+
+def test_no_drafts_in_a_step_with_more_decoding_sequences_than_the_limit(tiny_model_dir):
+    prompts = repetitive_prompts(6, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want, _ = run(make(tiny_model_dir("llama"), None), prompts, params)
+    got, stats = run(make(tiny_model_dir("llama"), 3, batch_limit=5), prompts, params)
+    assert got == want and stats.num_drafts == 0
+    _, stats = run(make(tiny_model_dir("llama"), 3, batch_limit=5), prompts[:5], params)
+    assert stats.num_drafts > 0
+
+
 # ----- the engine: greedy output identical to no speculation -----
 
 
@@ -248,6 +284,32 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
     assert first == second and stats.num_drafts > 0
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "device, backend",
+    [("cpu", "auto"), pytest.param("cuda", "triton", marks=CUDA), pytest.param("cuda", "torch", marks=CUDA)],
+)
+def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir):
+    """Async scheduling around speculation: 6 sequences under a limit of 4 start without drafts, their steps
+    overlapped (tokens still on the device get no draft), and speculate synchronously once fewer are left
+    (their max_tokens differ). On the GPU, verify steps (eager, or piecewise prompt graphs) come between
+    decode-graph steps."""
+    model_dir = tiny_model_dir("llama")
+    prompts = repetitive_prompts(6, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+    kwargs = dict(dtype="float32", device=device, attention_backend=backend, async_scheduling=True)
+    want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
+    spec = {**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
+    llm.engine.speculator.cost_ratio = 0.0
+    got, stats = run(llm, prompts, params)
+    assert got == want and stats.num_drafts > 0
+    bm = llm.engine.block_manager
+    assert not any(bm.ref_counts)
+
+
 # ----- sampling: the distribution is the target's (chi-square) -----
 
 
@@ -370,10 +432,21 @@ REPEAT = (
 def test_default_model_greedy_equals_no_speculation(default_model_dir):
     prompts = [REPEAT, "List the numbers from 1 to 12, separated by commas: 1, 2, 3,"]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    want, _ = run(make(default_model_dir, None, max_model_len=512), prompts, params)
-    got, stats = run(make(default_model_dir, 5, max_model_len=512), prompts, params)
+    plain, spec = make(default_model_dir, None, max_model_len=512), make(default_model_dir, 5, max_model_len=512)
+    want, _ = run(plain, prompts, params)
+    got, stats = run(spec, prompts, params)
     assert got == want
     assert stats.num_accepted_tokens >= 5  # the text repeats: drafts hold
+    # A stop string inside the output: the accepted tokens after it are dropped, as without speculation.
+    text = plain.generate(prompts[0], params, use_tqdm=False)[0].outputs[0].text
+    stop = SamplingParams(temperature=0.0, max_tokens=24, stop=[text.split()[len(text.split()) // 2]])
+    outs = [llm.generate(prompts[0], stop, use_tqdm=False)[0].outputs[0] for llm in (plain, spec)]
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) < 24
+    assert (outs[1].text, outs[1].token_ids, outs[1].finish_reason) == (
+        outs[0].text,
+        outs[0].token_ids,
+        outs[0].finish_reason,
+    )
 
 
 def test_server_speculates_through_the_openai_sdk(tmp_path, default_server):
