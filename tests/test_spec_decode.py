@@ -20,6 +20,7 @@ from engine.spec_decode import accepted_lengths
 from engine.spec_decode.ngram import ngram_drafts
 from engine.spec_decode.speculator import best_num_tokens
 from tests.conftest import KV_BYTES
+from tests.test_structured import random_model_dir  # noqa: F401 (a fixture, for the test that asks for it)
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -245,6 +246,40 @@ def test_stop_tokens_and_max_tokens_cut_the_accepted_tail(tiny_model_dir):
         got, _ = run(make(model_dir, 5), prompts, params)
         assert got == want
     assert [len(o[0]) for o in got] == [1, 2, 7, 13]
+
+
+def test_penalties_bias_and_min_tokens_see_each_positions_history(tiny_model_dir):
+    """Each verified position is processed with its own history (the draft tokens before it count for the
+    penalties, and min_tokens for its output index): greedy with them equals no speculation."""
+    model_dir = tiny_model_dir("qwen3")
+    prompts = repetitive_prompts(4, seed=10)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=0.8, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=24, logit_bias={prompts[2][1]: 5.0, prompts[2][3]: -5.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, stop_token_ids=prompts[3][:4]),
+    ]
+    want, _ = run(make(model_dir, None), prompts, params)
+    got, stats = run(make(model_dir, 4), prompts, params)
+    assert got == want and stats.num_drafts > 0
+    assert len(got[3][0]) >= 12
+
+
+def test_constrained_requests_decode_beside_speculating_ones(random_model_dir):  # noqa: F811 (the fixture)
+    """Structured outputs in a speculative step: constrained rows do not speculate, and their masks land on
+    their rows among the verify rows; every output equals the one without speculation."""
+    from tests.test_structured import PERSON, json_constraint, prefix_ok
+
+    constraint = json_constraint(PERSON)
+    prompts = repetitive_prompts(3, seed=11) + ["name someone", "repeat repeat repeat repeat"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.0, max_tokens=40, constraint=constraint)
+    ] * 2
+    want, _ = run(make(random_model_dir, None), prompts, params)
+    spec = make(random_model_dir, 3)
+    got, stats = run(spec, prompts, params)
+    assert got == want and stats.num_drafts > 0
+    assert all(prefix_ok(spec, constraint, out[0]) for out in got[3:])
 
 
 def test_logprobs_are_the_targets(tiny_model_dir):

@@ -303,7 +303,7 @@ class ModelRunner:
             params = seq.request.params
             history = seq.output_token_ids if params.reads_output_tokens else None
             for i in range(len(draft) + 1):
-                output = history + draft[:i] if history is not None else []
+                output = [*history, *draft[:i]] if history is not None else []
                 rows.append(
                     SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
                 )
