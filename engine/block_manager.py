@@ -166,15 +166,26 @@ class BlockManager:
         """Drop `seq`'s blocks. A named block that nobody holds stays in the cache, most recent last;
         blocks are released last to first, so a prefix's tail is evicted before its head."""
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.block_names[block] is not None:
-                    self.cached_free[block] = None
-                else:
-                    self.empty_blocks.append(block)
-            elif self.ref_counts[block] < 0:
-                raise AssertionError(f"block {block} freed more often than taken")
+            self._release(block)
         seq.block_table = []
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the blocks of `seq` past those that hold its first `num_tokens` tokens (speculative decoding:
+        the blocks that only rejected draft tokens were written to)."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+        del seq.block_table[keep:]
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_names[block] is not None:
+                self.cached_free[block] = None
+            else:
+                self.empty_blocks.append(block)
+        elif self.ref_counts[block] < 0:
+            raise AssertionError(f"block {block} freed more often than taken")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that nobody holds."""

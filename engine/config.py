@@ -9,11 +9,15 @@ takes it; server/cli.py generates the flags (and README.md's flag table) from th
     default_help  how --help tells the default when its value alone says too little (e.g. None)
     flags         the flag's spellings, the first the one --help lists first (default: --field-name)
     off_flags     for a bool off by default, the spellings that turn it off again
+    parse         a function from the flag's text to the value (raising argparse.ArgumentTypeError with one
+                  clear line), for values given as JSON (as vLLM takes them)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.pooling_params import POOLING_TYPES
@@ -29,6 +33,91 @@ BACKENDS = ("torch", "triton", "flash_attn", "cpu")
 def knob(default: Any, help: str, **metadata: Any) -> Any:
     """A config field with its help text and flag metadata (see the module's docstring)."""
     return field(default=default, metadata={"help": help, **metadata})
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config, in vLLM's spelling: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}` or `{"model": PATH, "num_speculative_tokens": k}`
+    (a draft model; "method": "draft_model" may be given too). Validated on construction."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None  # ngram: the shortest suffix matched; default the other bound, or 5
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix matched; default the other bound, or 5
+    model: str | None = None  # draft_model: the draft's HF directory
+    # No drafts in a step whose decoding sequences are more than this many: a big batch is compute-bound
+    # already, and its verify forward (k + 1 tokens a sequence) costs about k + 1 decode steps.
+    disable_by_batch_size: int = 16
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From the JSON text of the flag, or a dict (LLM(speculative_config={...})); raises ValueError with one
+        line that says what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        value = dict(value)
+        if "method" not in value:
+            if value.get("model") is None:
+                raise ValueError('speculative_config needs a "method" (ngram or draft_model) or a draft "model"')
+            value["method"] = "draft_model"
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (the draft tokens per step, k >= 1)")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative_config: {message}")
+
+        check(self.method in SPEC_METHODS, f"unknown method {self.method!r}; pagoda has {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        check(type(k) is int and k >= 1, f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        check(
+            type(self.disable_by_batch_size) is int and self.disable_by_batch_size >= 1,
+            f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}",
+        )
+        if self.method == "ngram":
+            check(self.model is None, 'the ngram method takes no "model"; a draft model is method draft_model')
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: a bound not given equals the other one, and both are 5 when neither is given.
+            low, high = (low if low is not None else high or 5), (high if high is not None else low or 5)
+            for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                check(type(n) is int and n >= 1, f"{name} must be an integer >= 1, got {n!r}")
+            check(low <= high, f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+        else:
+            check(
+                isinstance(self.model, str) and self.model != "", 'method draft_model needs the draft "model" (a path)'
+            )
+            check(
+                self.prompt_lookup_min is None and self.prompt_lookup_max is None,
+                "prompt_lookup_min/max are for the ngram method",
+            )
+
+
+def _speculative_flag(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass
@@ -148,6 +237,17 @@ class EngineConfig:
         choices=POOLING_TYPES,
     )
     normalize: bool = knob(True, "L2-normalize embeddings, so that a dot product is the cosine similarity")
+    speculative_config: SpeculativeConfig | None = knob(
+        None,
+        'speculative decoding, as JSON in vLLM\'s spelling: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_min": A, "prompt_lookup_max": B} proposes the K tokens that followed the latest earlier '
+        "match of the sequence's last B..A tokens, and the model verifies them in one forward (the output "
+        'distribution is unchanged); "disable_by_batch_size": N (default 16) speculates only in steps with at '
+        'most N decoding sequences. A draft model ({"model": PATH, ...}) is refused: not built yet',
+        parse=_speculative_flag,
+        metavar="JSON",
+        default_help="off",
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -187,6 +287,13 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.speculative_config.method == "draft_model":
+                raise ValueError(
+                    "speculative_config: the draft-model proposer is not built yet; use method ngram "
+                    f"(got a draft model {self.speculative_config.model!r})"
+                )
 
     @property
     def torch_dtype(self):

@@ -19,8 +19,9 @@ from engine.loader import ModelLoadError, check_model_files, resolve_model_dir
 from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import LaunchedPlan, Scheduler
+from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from engine.spec_decode import Speculator, expand_rows
 from engine.stop_strings import StopMatcher
 from engine.structured import Grammars, StepMask
 
@@ -46,10 +47,12 @@ class StepStats:
     num_swapped_out: int = 0  # of num_preempted, those swapped to the CPU pool
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_hit_tokens: int = 0  # of those, found (their prefill skipped)
-    # Speculative decoding's (the hook for engine/spec_decode/, not built yet: always 0 until then).
+    # Speculative decoding's (engine/spec_decode/; 0 without it).
     num_drafts: int = 0  # sequences that had a draft verified this step
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # of the draft tokens, those the target model accepted
+    # Per draft position i (0-based): drafts whose token i was accepted; None in a step without drafts.
+    num_accepted_tokens_per_pos: list[int] | None = None
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
@@ -125,6 +128,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -347,7 +353,7 @@ class LLMEngine:
         if self.prelaunched is not None:
             self.in_flight, self.prelaunched = self.prelaunched, None
         else:
-            self.in_flight = self._launch(done) if self._can_overlap() else None
+            self.in_flight = self._launch(done) if self._can_overlap(done) else None
         outputs += self._complete(done)
         nxt = self.in_flight
         if nxt is not None and nxt.launched.logits is not None:
@@ -355,7 +361,7 @@ class LLMEngine:
             # forward after it is enqueued at once, so the device goes from this sampling straight into
             # it instead of waiting for the next call to schedule it.
             self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
-            if self._can_overlap():
+            if self._can_overlap(nxt):
                 self.prelaunched = self._launch(nxt)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -396,18 +402,26 @@ class LLMEngine:
                 self.scheduler.fail(seq, request.error)
             self.runner.pooler.forget(seq.seq_id)
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight returns its tokens:
-        not when a penalty needs the generated tokens themselves on the host."""
-        return self.config.async_scheduling and not any(
-            s.request.params.reads_output_tokens for s in self.scheduler.running
+    def _can_overlap(self, in_flight: _Step) -> bool:
+        """Whether the next step may be scheduled before `in_flight` returns its tokens: not when a penalty
+        needs the generated tokens themselves on the host, nor around speculation: the next step's drafts
+        are proposed from the tokens in flight, and a verify step's computed tokens are only known once its
+        drafts are checked."""
+        return (
+            self.config.async_scheduling
+            and not any(s.request.params.reads_output_tokens for s in self.scheduler.running)
+            and (
+                self.speculator is None
+                or (in_flight.plan.drafts is None and not self.speculator.speculates(self.scheduler.running))
+            )
         )
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:
         """Schedule a step, enqueue it on the device, and let the scheduler count it as launched."""
         bm = self.block_manager
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
-        sched = self.scheduler.schedule()
+        proposed = self.speculator.drafts(self.scheduler.running) if self.speculator is not None else None
+        sched = self.scheduler.schedule(proposed)
         if sched.is_empty:
             return None
         # Order matters: a block swapped out may be reused as a swap-in or copy target this step.
@@ -421,6 +435,8 @@ class LLMEngine:
                 continue
             sampling.append((item.seq, row))
             sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
+        drafts = self._step_drafts(sched.scheduled, sampling) if proposed else None
+        rows = expand_rows(sampling, drafts) if drafts is not None else sampling  # one per sampled position
         # A constrained row's mask needs every token before the one it samples: when one of them is
         # still being sampled by the step in flight, the forward is enqueued now and the sampling
         # once that step's tokens are read.
@@ -432,10 +448,11 @@ class LLMEngine:
             sched.scheduled,
             sampling,
             previous.launched if previous else None,
-            mask=self._mask(sampling) if constrained and not defer else None,
+            mask=self._mask(rows) if constrained and not defer else None,
             defer_sampling=defer,
+            drafts=drafts,
         )
-        plan = self.scheduler.launched(sched, sampling)
+        plan = self.scheduler.launched(sched, sampling, drafts)
         stats = StepStats(
             num_batched_tokens=sched.num_batched_tokens,
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -446,6 +463,13 @@ class LLMEngine:
             prefix_hit_tokens=bm.prefix_hit_tokens - hits,
         )
         return _Step(plan, launched, stats)
+
+    @staticmethod
+    def _step_drafts(scheduled: list[ScheduledSeq], sampling: list[tuple[Sequence, int]]) -> list[list[int]] | None:
+        """Per sampling entry, the draft its row verifies (empty for a child of n > 1 sampling its parent's
+        row, and for sequences without one); None when the scheduler kept no draft."""
+        drafts = [scheduled[row].draft if scheduled[row].seq is seq else () for seq, row in sampling]
+        return drafts if any(drafts) else None
 
     def _mask(self, sampling: list[tuple[Sequence, int]]) -> StepMask | None:
         """The grammar bitmask of a step's constrained sampling rows (None if it has none)."""
@@ -460,6 +484,8 @@ class LLMEngine:
         failed = self._fail_nonfinite(step.launched, results.token_ids)
         refused = self._advance_matchers(step.launched, results.token_ids)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
+        if step.plan.drafts is not None:
+            self._count_speculation(step.plan, step.stats)
         touched += self._finish_pooled(step.launched)
         now = time.monotonic()
         outputs = []
@@ -490,6 +516,20 @@ class LLMEngine:
                 seq.matcher = None  # its grammar must not see the -1
                 failed.append(seq.request)
         return failed
+
+    def _count_speculation(self, plan: LaunchedPlan, stats: StepStats) -> None:
+        """A speculative step's drafts: into the speculator's acceptance estimates and the step's stats."""
+        per_pos = [0] * self.config.speculative_config.num_speculative_tokens
+        for seq, num_draft, num_accepted in plan.accepted:
+            self.speculator.observe(seq, num_draft, num_accepted)
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_draft
+            stats.num_accepted_tokens += num_accepted
+            for i in range(num_accepted):
+                per_pos[i] += 1
+        # Each draft emitted its accepted tokens besides the one token counted at launch.
+        stats.num_generated_tokens += stats.num_accepted_tokens
+        stats.num_accepted_tokens_per_pos = per_pos
 
     def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int]) -> set[int]:
         """Advance the matchers of a step's constrained rows by their tokens; the rows whose token their

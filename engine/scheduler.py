@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus, TokenLogprobs
+from engine.spec_decode.rejection import accepted_lengths
 
 log = logging.getLogger("pagoda.scheduler")
 
@@ -26,12 +27,13 @@ log = logging.getLogger("pagoda.scheduler")
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # its last token and the draft's, for a speculating sequence
+    draft: list[int] | tuple[()] = ()  # speculative decoding: the proposed tokens the step verifies
 
     @property
     def completes(self) -> bool:
         """After this step every token of the sequence is computed."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == len(self.seq.token_ids)
 
     @property
     def samples(self) -> bool:
@@ -65,6 +67,8 @@ class LaunchedPlan:
     sampling: list[tuple[Sequence, int]]  # (sequence, row of `scheduled` whose logits it samples from)
     slots: list[int]  # per sampling row: the index in the sequence's token_ids its token goes to
     num_prefill_tokens: int  # of the step's tokens, those of prompts (recomputation included)
+    drafts: list[list[int]] | None = None  # speculative: per sampling row, the draft it verifies
+    accepted: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, draft length, accepted)
 
 
 class Scheduler:
@@ -94,16 +98,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step's plan: which sequences compute how many tokens, and the block moves first."""
-        out = self._schedule()
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step's plan: which sequences compute how many tokens, and the block moves first.
+        `drafts` (seq_id -> proposed tokens): decoding sequences that verify a draft this step compute it
+        too, as far as the token budget goes and the free blocks hold it without preempting anyone."""
+        out = self._schedule(drafts)
         now = time.monotonic()
         for item in out.scheduled:
             if item.seq.request.first_scheduled_time is None:
                 item.seq.request.first_scheduled_time = now  # its queueing ends here
         return out
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, drafts: dict[int, list[int]] | None) -> SchedulerOutput:
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
@@ -115,6 +121,12 @@ class Scheduler:
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 continue
+            draft = drafts.get(seq.seq_id, ()) if drafts and num_new == 1 else ()
+            if draft:
+                draft = draft[: budget - 1]
+                if not bm.can_allocate(seq, 1 + len(draft)):
+                    draft = ()  # a draft never preempts anyone
+                num_new += len(draft)
             if not bm.fits_own_blocks(seq, num_new):
                 while not bm.can_allocate(seq, num_new):
                     victim = self._pick_victim(exclude=scheduled_ids) or seq
@@ -124,7 +136,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 out.block_copies += bm.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new, draft))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
@@ -287,16 +299,19 @@ class Scheduler:
             self.block_manager.fork(parent, child)
             self.add_running(child)
 
-    def launched(self, out: SchedulerOutput, sampling: list[tuple[Sequence, int]]) -> LaunchedPlan:
+    def launched(
+        self, out: SchedulerOutput, sampling: list[tuple[Sequence, int]], drafts: list[list[int]] | None = None
+    ) -> LaunchedPlan:
         """The step `out` is on the device: its tokens count as computed, and every sequence it samples
         gets a PLACEHOLDER for the coming token (unless that token surely ends it by length), so the
-        next step can be planned before this one's tokens are read."""
+        next step can be planned before this one's tokens are read. `drafts`: per sampling row, the draft
+        it verifies (a speculative step); update() takes back the computed tokens of rejected ones."""
         prefill_tokens = 0
         ends = []
         for item in out.scheduled:
             seq = item.seq
             # Prompt chunks and recomputation after preemption; a decode is one token past the prompt.
-            if item.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            if item.num_new_tokens - len(item.draft) > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
                 prefill_tokens += item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
             ends.append(seq.num_computed_tokens)
@@ -307,7 +322,7 @@ class Scheduler:
             if not self.ends_by_length(seq, num_tokens + 1):
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
-        return LaunchedPlan(out.scheduled, ends, sampling, slots, prefill_tokens)
+        return LaunchedPlan(out.scheduled, ends, sampling, slots, prefill_tokens, drafts)
 
     def update(
         self,
@@ -319,11 +334,17 @@ class Scheduler:
         """A launched step's tokens are back: commit the blocks it filled to the prefix cache, put each
         token in place of its placeholder, and finish sequences that stop. `refused`: the sampling rows
         whose token their grammar did not allow (engine/structured.py). Returns the requests whose
-        outputs changed (a final_only request only once a sequence of it finished)."""
+        outputs changed (a final_only request only once a sequence of it finished).
+
+        In a speculative step (plan.drafts), `token_ids` and `logprobs` hold len(draft) + 1 rows per sampling
+        row (engine/spec_decode/rejection.py); see _update_speculative."""
         for item, end in zip(plan.scheduled, plan.ends):
-            # Not for a sequence preempted (or finished) since: its blocks are gone.
-            if item.seq.status is SequenceStatus.RUNNING:
+            # Not for a sequence preempted (or finished) since: its blocks are gone. Not for a speculating one
+            # yet: its draft's tokens are not verified (_update_speculative names what was accepted).
+            if item.seq.status is SequenceStatus.RUNNING and not item.draft:
                 self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
+        if plan.drafts is not None:
+            return self._update_speculative(plan, token_ids, logprobs, refused)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         logprobs = logprobs or [None] * len(plan.sampling)
@@ -345,6 +366,48 @@ class Scheduler:
             if seq.is_finished or request.params.output_kind != "final_only":
                 touched[request.request_id] = request
         return list(touched.values())
+
+    def _update_speculative(
+        self,
+        plan: LaunchedPlan,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None] | None,
+        refused: set[int] | frozenset[int],
+    ) -> list[Request]:
+        """update() of a step that verified drafts: each sequence takes its accepted draft tokens and the
+        target's next one, in order, until one of them stops it (eos, stop token or string, max_tokens); a
+        speculating sequence then gives back the computed tokens (and the blocks) of what was rejected, and
+        the blocks its accepted tokens filled go to the prefix cache."""
+        now = time.monotonic()
+        stepped: list[Sequence] = []
+        accepted = accepted_lengths(plan.drafts, token_ids)
+        logprobs = logprobs or [None] * len(token_ids)
+        offset = 0
+        for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, plan.drafts, accepted.tolist()):
+            start, offset = offset, offset + len(draft) + 1
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            if start in refused:  # a constrained row (never one with a draft): see update()
+                log.warning("request %s: token breaks its grammar; ending the output", seq.request.request_id)
+                self._stop(seq, "stop", None)
+            for i in range(start, start + num_accepted + 1):
+                if seq.is_finished:
+                    break  # stopped by an accepted token: the rest of the draft is dropped
+                self._put_token(seq, slot + i - start, token_ids[i], logprobs[i])
+            if draft:
+                plan.accepted.append((seq, len(draft), num_accepted))
+                if seq.status is SequenceStatus.RUNNING:
+                    # Its last token and the accepted draft tokens are computed; the rejected ones are not.
+                    seq.num_computed_tokens -= len(draft) - num_accepted
+                    self.block_manager.trim(seq, seq.num_computed_tokens)
+                    self.block_manager.name_full_blocks(seq, seq.num_computed_tokens, num_accepted + 1)
+            stepped.append(seq)
+        for seq in stepped:
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+        # As in update(): a final_only request only once a sequence of it finished.
+        changed = [s.request for s in stepped if s.is_finished or s.request.params.output_kind != "final_only"]
+        return list({request.request_id: request for request in changed}.values())
 
     def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""

@@ -311,6 +311,8 @@ class _Server:
             engine.engine.config.max_num_batched_tokens,
             engine.max_model_len,
             settings.metrics_prefix,
+            # The speculative-decoding counters, for an engine that speculates (k draft positions).
+            spec_decode=getattr(engine.engine.config.speculative_config, "num_speculative_tokens", 0),
         )
         self.metrics.set_cache_config(cache_config_labels(engine.engine))
         self.tracer = None

@@ -126,15 +126,18 @@ class SpecDecodeMetrics:
     """vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens, mean acceptance
     length = 1 + accepted / drafts."""
 
-    def __init__(self, counter):
+    def __init__(self, counter, per_position):
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative steps: a draft proposed for a sequence.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.per_position = per_position  # position label -> counter
 
     def on_step(self, stats: StepStats) -> None:
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos or ()):
+            self.per_position(position).inc(count)
 
 
 class Metrics:
@@ -144,12 +147,13 @@ class Metrics:
         max_num_batched_tokens: int,
         max_model_len: int,
         prefix: str = "pagoda",
-        spec_decode: bool = False,
+        spec_decode: int = 0,
     ):
         """Every collector, named `{prefix}:{vLLM's name}` and labelled model_name (but the process_* ones).
 
-        spec_decode: declare the speculative-decoding counters. Only an engine that speculates passes True
-        (none does yet), so that no server exports zeros for a feature it does not have.
+        spec_decode: the number of speculative tokens k of an engine that speculates (0: it does not),
+        which declares the speculative-decoding counters (the per-position one for positions 0..k-1), so
+        that no server exports zeros for a feature it does not have.
         """
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds
@@ -238,7 +242,19 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.spec_decode = SpecDecodeMetrics(counter) if spec_decode else None
+        self.spec_decode = None
+        if spec_decode:
+            per_pos = Counter(
+                f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft (0: the first).",
+                ["model_name", "position"],
+                registry=self.registry,
+            )
+            for position in range(spec_decode):  # every series exists from the start, at 0
+                per_pos.labels(model_name=model_name, position=str(position))
+            self.spec_decode = SpecDecodeMetrics(
+                counter, lambda position: per_pos.labels(model_name=model_name, position=str(position))
+            )
         self._model_name = model_name
 
     def set_cache_config(self, labels: dict[str, str]) -> None:

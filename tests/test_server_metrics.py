@@ -156,12 +156,19 @@ def test_spec_decode_counters_exist_only_when_declared():
     from server.metrics import Metrics
 
     assert not any("spec_decode" in m.name for m in Metrics("m", 64, 256).registry.collect())
-    metrics = Metrics("m", 64, 256, prefix="vllm", spec_decode=True)
-    metrics.on_step(StepStats(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4))
+    metrics = Metrics("m", 64, 256, prefix="vllm", spec_decode=3)
+    metrics.on_step(
+        StepStats(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4, num_accepted_tokens_per_pos=[2, 1, 1])
+    )
     get = metrics.registry.get_sample_value
     assert get("vllm:spec_decode_num_drafts_total", {"model_name": "m"}) == 2
     assert get("vllm:spec_decode_num_draft_tokens_total", {"model_name": "m"}) == 6
     assert get("vllm:spec_decode_num_accepted_tokens_total", {"model_name": "m"}) == 4
+    per_pos = [
+        get("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"model_name": "m", "position": str(i)})
+        for i in range(3)
+    ]
+    assert per_pos == [2, 1, 1]
 
 
 def test_the_opentelemetry_sdk_is_not_imported_without_tracing():

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.loader import resolve_model_dir
 from server.cli import _engine_config, _server_config, build_parser
 
@@ -111,6 +111,11 @@ VLLM_COMMAND_LINES = [
         "vllm serve --model m --served-model-name gpt-4o-mini --max-waiting-requests 100 --seed 1234",
         dict(model="m", served_model_name=["gpt-4o-mini"], max_waiting_requests=100, seed=1234),
     ),
+    (
+        "vllm serve Qwen/Qwen3-8B --speculative-config "
+        """'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'""",
+        dict(speculative_config=SpeculativeConfig("ngram", 5, prompt_lookup_min=4, prompt_lookup_max=4)),
+    ),
 ]
 
 
@@ -138,7 +143,6 @@ def test_vllm_command_lines_parse_into_pagoda_configs(command_line, expected):
         ["--pipeline-parallel-size", "2"],
         ["--quantization", "awq"],
         ["--kv-cache-dtype", "fp8"],
-        ["--speculative-config", '{"method": "ngram"}'],
         ["--data-parallel-size", "2"],
         ["--disable-log-stats"],
         ["--tokenizer-mode", "auto"],

@@ -24,6 +24,7 @@ from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
+from engine.spec_decode import expand_rows
 from engine.structured import StepMask
 
 log = logging.getLogger("pagoda.runner")
@@ -220,6 +221,7 @@ class ModelRunner:
         previous: LaunchedStep | None = None,
         mask: StepMask | None = None,
         defer_sampling: bool = False,
+        drafts: list[list[int]] | None = None,
     ) -> LaunchedStep:
         """Enqueue one forward over `scheduled` and the sampling of each (sequence, index into
         `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row),
@@ -229,7 +231,11 @@ class ModelRunner:
         device; its value is copied there from `previous`'s token tensor, with no host sync.
 
         With `defer_sampling`, only the forward is enqueued; sample() completes the step once its
-        mask is known (the mask needs the tokens `previous` is still sampling)."""
+        mask is known (the mask needs the tokens `previous` is still sampling).
+
+        With `drafts` (speculative decoding: per sampling entry, the draft tokens its scheduled row ends
+        with), entry i samples len(drafts[i]) + 1 rows, one per scored position, each with the history up to
+        it (engine/spec_decode/rejection.py); the step's sampling rows and `mask`'s are those rows."""
         inputs = step_inputs(scheduled)
         fill = None
         if previous is not None:
@@ -258,11 +264,20 @@ class ModelRunner:
                 pooled = self.pooler.pool(hidden, scheduled, inputs.ends, pooling)
             logits = None
             if sampling:
-                logits = self.model.compute_logits(hidden[upload(inputs.ends[rows] - 1, self.device)])
+                last = inputs.ends[rows] - 1
+                if drafts is not None:  # every scored position of a speculating entry: last - k .. last
+                    counts = np.array([len(d) + 1 for d in drafts])
+                    first = np.repeat(last - counts + 1, counts)
+                    last = first + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+                logits = self.model.compute_logits(hidden[upload(last, self.device)])
         if not sampling:
             return LaunchedStep([], pooled=pooled)
+        if drafts is not None:
+            rows, sampling = self._verify_rows(sampling, drafts), expand_rows(sampling, drafts)
+        else:
+            rows = self._sampler_rows(sampling)
         # The rows are taken now: a deferred sampling runs after the scheduler has counted this step.
-        step = LaunchedStep(sampling, logits=logits, rows=self._sampler_rows(sampling), pooled=pooled)
+        step = LaunchedStep(sampling, logits=logits, rows=rows, pooled=pooled)
         if not defer_sampling:
             self.sample(step, mask)
         return step
@@ -279,6 +294,22 @@ class ModelRunner:
             )
             for seq, _ in sampling
         ]
+
+    @staticmethod
+    def _verify_rows(sampling: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[SamplerRow]:
+        """The sampler rows of a speculative step: position i of an entry's draft is sampled as output token
+        num_output_tokens + i, after the draft's first i tokens (its penalties, min_tokens and random stream
+        are those of that position)."""
+        rows = []
+        for (seq, _), draft in zip(sampling, drafts):
+            params = seq.request.params
+            history = seq.output_token_ids if params.reads_output_tokens else None
+            for i in range(len(draft) + 1):
+                output = [*history, *draft[:i]] if history is not None else []
+                rows.append(
+                    SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
+                )
+        return rows
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, mask: StepMask | None) -> None:

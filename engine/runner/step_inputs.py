@@ -41,6 +41,9 @@ def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
         if num_new == 1:
             single_at.append(offset)
             single_ids.append(seq.token_ids[start])
+        elif item.draft:  # its last token, then the draft it verifies
+            out[offset] = seq.token_ids[start]
+            out[offset + 1 : offset + num_new] = item.draft
         else:
             out[offset : offset + num_new] = seq.token_array(start, start + num_new)
         offset += num_new

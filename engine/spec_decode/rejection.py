@@ -1,0 +1,50 @@
+"""The acceptance rule of speculative decoding, for proposers whose draft is a fixed token sequence.
+
+The target scores a speculating sequence's last token and its k draft tokens d_1..d_k in one forward,
+which gives k + 1 next-token distributions p_0..p_k. Each position is sampled by the ordinary sampler
+(engine/sampler.py), with that position's history: the same logit processing (bias, min_tokens,
+penalties over the output so far plus the draft tokens before it), temperature and filters, and the
+sampler's random stream for that output index and the sequence's seed. With t_i the token sampled from
+p_i, the sequence takes d_1..d_m while t_{i-1} = d_i, then t_m: m + 1 tokens, k + 1 when every draft
+token matches (t_k is the bonus token).
+
+This is the standard rule (accept x with probability min(1, p(x)/q(x)); on rejection sample from
+norm(max(0, p - q))) for a draft distribution q that is a point mass on d_i, which a deterministic
+proposer such as n-gram lookup is: t_i = d_i happens with probability p_i(d_i) = min(1, p/q), and given
+t_i != d_i, t_i is distributed as p_i with d_i removed and renormalized = norm(max(0, p_i - q)). So every
+emitted token has exactly the target's distribution given the tokens before it. Greedy rows (argmax) reduce
+to the longest prefix of the draft that equals the target's greedy tokens. A seeded request stays
+reproducible: t_i depends only on the seed, the output index and the logits.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def expand_rows(entries: list[T], drafts: list[list[int]]) -> list[T]:
+    """One sampling row per scored position: entry i repeated len(drafts[i]) + 1 times."""
+    return [entry for entry, draft in zip(entries, drafts) for _ in range(len(draft) + 1)]
+
+
+def accepted_lengths(drafts: list[list[int]], sampled: list[int]) -> np.ndarray:
+    """Per entry, how many of its draft tokens the target accepted: the length of the longest prefix of
+    drafts[i] equal to the target's tokens sampled at the positions before each (`sampled`: every entry's
+    len(drafts[i]) + 1 tokens, entry after entry)."""
+    counts = np.array([len(d) for d in drafts], dtype=np.int64)
+    width = int(counts.max(initial=0))
+    if width == 0:
+        return np.zeros(len(drafts), dtype=np.int64)
+    starts = np.cumsum(counts + 1) - (counts + 1)
+    flat = np.asarray(sampled, dtype=np.int64)
+    columns = np.arange(width)
+    inside = columns[None, :] < counts[:, None]
+    target = flat[np.minimum(starts[:, None] + columns[None, :], len(flat) - 1)]
+    draft = np.full((len(drafts), width), -1, dtype=np.int64)
+    draft[inside] = np.concatenate([np.asarray(d, dtype=np.int64) for d in drafts if len(d)])
+    match = (target == draft) & inside
+    return np.cumprod(match, axis=1).sum(axis=1)
