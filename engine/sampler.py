@@ -339,7 +339,9 @@ class Sampler:
         # Keep token i while the mass strictly before it is < p: the smallest prefix reaching p,
         # never empty since the mass before the first token is 0.
         mass_before = probs.cumsum(dim=-1) - probs
-        num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True)
+        # At least one: a top_p that is positive as the request gave it can round to 0 here (1e-50 in float32),
+        # which would keep nothing and index -1.
+        num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
         pth = ordered.gather(1, num_kept - 1)
         # Rounding can let top-p count tokens top-k already dropped (pth = -inf); top-k's cut holds then.
         return torch.maximum(kth, pth).squeeze(1)

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
@@ -36,11 +37,14 @@ from server.chat import ChatOptions, OutputParser, plan_tools, template_messages
 from server.config import ServerConfig
 from server.metrics import Metrics, cache_config_labels
 from server.protocol import (
+    ChatCompletion,
     ChatCompletionRequest,
     ChatMessage,
+    Completion,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingList,
     EmbeddingRequest,
     ErrorBody,
     ErrorInfo,
@@ -48,9 +52,17 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from server.ratelimit import RateLimiter
-from server.responses import ResponseObject, ResponsesAPI, ResponsesError, ResponsesRequest, ResponseStore
+from server.responses import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesAPI,
+    ResponsesError,
+    ResponsesRequest,
+    ResponseStore,
+)
 from server.streaming import (
     Admission,
     ClientDisconnected,
@@ -154,7 +166,9 @@ def _param_path(loc: tuple) -> str | None:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part not in ("str", "int") and not part.startswith(("list[", "function-")):  # union member tags
+        elif part not in ("str", "int", "constrained-str") and not part.startswith(
+            ("list[", "function-")
+        ):  # union tags
             path += f".{part}" if path else part
     return path or None
 
@@ -162,8 +176,15 @@ def _param_path(loc: tuple) -> str | None:
 def _validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0]
     param = _param_path(tuple(first.get("loc", ())))
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if kind == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return APIError(400, "the request needs a JSON body")
+    if kind == "finite_number":
+        value = first.get("input")
+        what = "is not a number (NaN)" if isinstance(value, float) and math.isnan(value) else "must be finite"
+        return APIError(400, f"{param} {what}", param=param)
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {param}", param=param)
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
@@ -544,6 +565,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         **openapi,
     )
     app.state.cut_off = server.cut_off  # for `pagoda serve`, when the shutdown's drain time is up
+    generate_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            vocab, hidden = engine.engine.runner.vocab_size, engine.engine.hidden_size
+            app.openapi_schema = _true_schema(generate_openapi(), bool(settings.api_keys), _OPEN_PATHS, vocab, hidden)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(CatchAllMiddleware)
     # Added before the API-key check, so it runs after it: no body is read for a request without a key.
     app.add_middleware(BodyLimitMiddleware, limit=http.max_request_body_bytes)
@@ -568,12 +598,24 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _on_http(request: Request, exc: StarletteHTTPException) -> Response:
         # Routing's 404 and 405 say which endpoint was asked for, as OpenAI's "Invalid URL (POST /v1/x)" does.
         endpoint = f"{request.method} {request.url.path}"
-        allowed = (exc.headers or {}).get("Allow", "another method")
+        headers = exc.headers
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route of the path only (GET, where DELETE is one too).
+            methods = sorted(
+                {
+                    method
+                    for route in app.routes
+                    if isinstance(route, Route) and route.matches(request.scope)[0] is Match.PARTIAL
+                    for method in route.methods or ()
+                }
+            )
+            headers = {**(headers or {}), "Allow": ", ".join(methods)}
+        allowed = (headers or {}).get("Allow", "another method")
         message = {
             404: f"Invalid URL ({endpoint}): this server has no such endpoint",
             405: f"Invalid method ({endpoint}): the endpoint takes {allowed}",
         }.get(exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, message, headers=exc.headers).response()
+        return APIError(exc.status_code, message, headers=headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -599,13 +641,26 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def index() -> Response:
         return HTMLResponse(playground)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "The engine is running (no body)", "content": {}}, **_errors(503)},
+    )
     async def health() -> Response:
         if engine.is_alive:
             return Response(status_code=200)
         return as_api_error(EngineDeadError(str(engine.error or "stopped"))).response()
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "Prometheus metrics, in its text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -616,8 +671,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return HTMLResponse(docs_page(app.openapi()))
 
     @app.get("/version")
-    async def get_version() -> dict:
-        return {"version": version("pagoda")}
+    async def get_version() -> VersionResponse:
+        return VersionResponse(version=version("pagoda"))
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, created=server.created, root=settings.model_dir, max_model_len=engine.max_model_len)
@@ -626,12 +681,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def list_models() -> ModelList:
         return ModelList(data=[model_card(name) for name in settings.served_model_names])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=_errors(404))
     async def get_model(model: str) -> ModelCard:
         server.check_model(model)
         return model_card(model)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, 404, 413, 503))
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -653,7 +708,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             )
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         server.check_model(body.model)
         vocab = engine.engine.runner.vocab_size
@@ -663,7 +718,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         text = await server.in_thread(server.tokenizer.decode, body.tokens)
         return DetokenizeResponse(prompt=text)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         _reject_unsupported(body)
@@ -711,7 +766,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         outputs = {i: out async for i, out in generation.outputs()}
         return json_response(render.chat_completion(job, outputs[0], server.strings))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generation_responses(Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         _reject_unsupported(body)
@@ -743,7 +798,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         outputs = {i: out async for i, out in generation.outputs()}
         return json_response(render.completion(job, outputs, server.strings))
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingList}, **_errors(400, 404, 413, 429, 503)})
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         server.check_model(body.model)
         size = engine.engine.hidden_size
@@ -773,6 +828,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def start(request: Request, job: render.Job, params: SamplingParams | PoolingParams, priority: int) -> Generation:
         # Every prompt is validated here, once (the engine does not check again), and before anything is
         # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
+        if isinstance(params, SamplingParams):
+            vocab = engine.engine.runner.vocab_size
+            bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+            if bad is not None:  # it could never be sampled: a mistake, not a stop condition
+                raise APIError(
+                    400, f"stop token id {bad} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
+                )
         requests = engine_requests(engine, request.state.request_id, job.prompts, params, priority)
         server.admit(len(requests), params.n if isinstance(params, SamplingParams) else 1)
         server.charge(request, job.prompts, params)
@@ -789,24 +851,111 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         server, start, lambda exc: as_api_error(exc).body().error, ResponseStore(settings.max_stored_responses)
     )
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=_generation_responses(ResponseObject))
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         result = await responses.create(body, request)
         return json_response(result) if isinstance(result, ResponseObject) else sse_response(result)
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+    @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **_errors(400, 404)})
+    async def retrieve_response(
+        response_id: str,
+        stream: bool = Query(
+            False,
+            description="only false: a stored response is not streamed again",
+            json_schema_extra={"enum": [False]},
+        ),
+    ) -> Response:
         return json_response(responses.retrieve(response_id, stream))
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses={200: {"model": DeletedResponse}, **_errors(404)})
     async def delete_response(response_id: str) -> Response:
         return json_response(responses.delete(response_id))
 
-    @app.post("/v1/responses/{response_id}/cancel")
+    # Not in the OpenAPI document: it can only refuse (pagoda runs no background responses, so none can be
+    # cancelled); it answers so that an OpenAI client that calls it learns why.
+    @app.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
     async def cancel_response(response_id: str) -> Response:
         raise responses.cancel_refusal(response_id)
 
     return app
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "The request is invalid: the error's message and param say what is wrong",
+    401: "No API key, or a wrong one",
+    404: "No such model (or stored response)",
+    413: "The body is larger than --max-request-body-bytes",
+    429: "Over a --rate-limit-* limit; Retry-After says when to retry",
+    503: "The server cannot take the request now (queue full or timed out, shutting down) or its engine is not "
+    "running; Retry-After says when to retry",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of these error statuses, each an OpenAI-shaped error body."""
+    return {status: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A generating route's responses: the body, or with stream=true its Server-Sent Events, and its errors."""
+    events: dict[str, Any] = {"text/event-stream": {}}  # each event's data is a JSON chunk, then [DONE]
+    return {200: {"model": model, "content": events}, **_errors(400, 404, 413, 429, 503)}
+
+
+def _true_schema(schema: dict, api_keys: bool, open_paths: frozenset[str], vocab_size: int, hidden_size: int) -> dict:
+    """FastAPI's OpenAPI document made to say what the server does: its 400 where FastAPI writes 422 (pagoda
+    answers validation errors with 400, in OpenAI's error shape), 401 where an API key is needed, the
+    vocabulary's bound on token ids and the one embedding size."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            if "422" in responses:
+                del responses["422"]
+                # A path parameter is any string; a body or query parameter can be invalid: a 400.
+                if "requestBody" in operation or any(p["in"] != "path" for p in operation.get("parameters", ())):
+                    responses.setdefault("400", _error_response(400))
+            if api_keys and path not in open_paths:
+                responses["401"] = _error_response(401)
+                operation["security"] = [{"APIKey": []}]
+    if api_keys:
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})["APIKey"] = {
+            "type": "http",
+            "scheme": "bearer",
+        }
+    _fill_model_bounds(schema, vocab_size, hidden_size)
+    return schema
+
+
+def _error_response(status: int) -> dict:
+    return {
+        "description": _ERROR_DESCRIPTIONS[status],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+    }
+
+
+_BOUND_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _fill_model_bounds(node: Any, vocab_size: int, hidden_size: int) -> None:
+    """The bounds only the model knows: a schema marked x-token-id (protocol.TokenId) gets the vocabulary's as
+    its maximum, one marked x-hidden-size (embeddings' dimensions) the hidden size as its one value."""
+    if isinstance(node, dict):
+        # pydantic writes a bound it checks after a validator as its own name (ge: 0), which JSON Schema ignores.
+        for bound, keyword in _BOUND_KEYWORDS.items():
+            if bound in node:
+                node[keyword] = node.pop(bound)
+        if node.pop("x-token-id", False):
+            node["minimum"], node["maximum"] = 0, vocab_size - 1
+        if node.pop("x-hidden-size", False):
+            node["const"] = hidden_size
+        for value in node.values():
+            _fill_model_bounds(value, vocab_size, hidden_size)
+    elif isinstance(node, list):
+        for value in node:
+            _fill_model_bounds(value, vocab_size, hidden_size)
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

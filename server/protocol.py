@@ -8,17 +8,73 @@ declared, so they parse, and `unsupported()` names the first one that was set.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StrictBool,  # pydantic would take 0 and 1 (and "yes") as booleans
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import Constraint, InvalidParameter, SamplingParams
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    Constraint,
+    InvalidParameter,
+    SamplingParams,
+)
+
+
+def _json_integer(value: Any) -> Any:
+    # pydantic takes true as 1, false as 0 and "7" as 7, so {"tokens": [false]} would be read as token 0. A JSON
+    # number is taken (2.0 is the integer 2, as JSON Schema says; 2.5 is refused next), nothing else.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # as _json_integer: no true, no "0.5"
+        raise PydanticCustomError("float_type", "Input should be a valid number")
+    return value
+
+
+# An integer field: a JSON number with no fraction, never a boolean or a string.
+Int = Annotated[int, BeforeValidator(_json_integer)]
+# A float field: a JSON number, never a boolean or a string.
+Float = Annotated[float, BeforeValidator(_json_number)]
+# A token id. The routes and the engine refuse one outside the vocabulary, naming the field; the OpenAPI
+# document states the bounds (api.py fills in x-token-id's minimum and maximum).
+TokenId = Annotated[Int, Field(json_schema_extra={"x-token-id": True})]
+
+
+def _non_empty(schema: dict[str, Any]) -> None:
+    """Document every text and list of a prompt as non-empty: the routes refuse an empty one with a message
+    that says which (a pydantic bound would report the union's first member instead: "should be a string")."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
+            _non_empty(branch["items"])
+
+
+# Completions' prompt and embeddings' input: a text, texts, token ids, or lists of token ids; none empty.
+Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], Field(json_schema_extra=_non_empty)]
 
 
 class RequestBody(BaseModel):
     """A request body, or a part of one: unknown fields are refused and null means absent."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused by every float field, whatever its bounds (Python's JSON reader takes NaN).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -26,14 +82,44 @@ class RequestBody(BaseModel):
         # Many clients send null for what they leave unset, as OpenAI allows: null takes the default.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        # The document says what _null_is_absent does: every optional field may be null.
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        required = set(schema.get("required", ()))
+        for name, prop in schema.get("properties", {}).items():
+            if name not in required and not _takes_null(prop):
+                outer = {key: prop.pop(key) for key in _ANNOTATIONS if key in prop}
+                schema["properties"][name] = {**outer, "anyOf": [prop, {"type": "null"}]}
+            elif "anyOf" in prop:
+                # A field's own schema keys (its json_schema_extra: const, enum...) sit beside the anyOf, where
+                # they would refuse null too: they belong to the value's branch.
+                value = next(branch for branch in prop["anyOf"] if branch.get("type") != "null")
+                value.update({key: prop.pop(key) for key in list(prop) if key not in (*_ANNOTATIONS, "anyOf")})
+        return schema
+
+
+_ANNOTATIONS = ("title", "description", "default")
+
+
+def _takes_null(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "null" or any(_takes_null(s) for s in schema.get("anyOf", ()))
+
 
 class StreamOptions(RequestBody):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+def _text_part_only(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"]["const"] = "text"
+    schema["properties"]["text"] = {"type": "string"}
+    schema["required"] = ["type", "text"]
 
 
 class ContentPart(BaseModel):
-    # Other part types (image_url, input_audio) carry other fields; they are refused by type, by name.
-    model_config = ConfigDict(extra="allow")
+    # Other part types (image_url, input_audio) carry other fields; they parse, and are then refused by type, by
+    # name. The document says what is served: text parts.
+    model_config = ConfigDict(extra="allow", json_schema_extra=_text_part_only)
     type: str
     text: str | None = None
 
@@ -51,7 +137,39 @@ class ToolCallIn(BaseModel):
     function: FunctionCall
 
 
+_HAS_TOOL_CALLS = {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}
+# What chat.template_messages() takes of each role, for the OpenAPI document: content (tool calls instead, for an
+# assistant), and a tool message's tool_call_id.
+_MESSAGE_SHAPES = {
+    "oneOf": [
+        {
+            "properties": {"role": {"enum": ["system", "developer", "user"]}, "content": {"not": {"type": "null"}}},
+            "required": ["content"],
+            "not": _HAS_TOOL_CALLS,
+        },
+        {
+            "properties": {"role": {"const": "assistant"}},
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+            ],
+        },
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "content": {"not": {"type": "null"}},
+                "tool_call_id": {"type": "string"},
+            },
+            "required": ["content", "tool_call_id"],
+            "not": _HAS_TOOL_CALLS,
+        },
+    ]
+}
+
+
 class ChatMessage(RequestBody):
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_SHAPES)
+
     role: str  # checked when the prompt is built, so an unknown role gets a clear answer
     content: str | list[ContentPart] | None = None  # None: an assistant message of tool calls only
     name: str | None = None
@@ -64,7 +182,7 @@ class JsonSchemaFormat(RequestBody):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -79,9 +197,9 @@ class StructuredOutputs(RequestBody):
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     structural_tag: str | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -91,7 +209,7 @@ class FunctionDefinition(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(RequestBody):
@@ -108,20 +226,56 @@ class NamedToolChoice(RequestBody):
     function: NamedFunction
 
 
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+# A parameter OpenAI defines and pagoda does not implement: it parses, so that setting it is refused by name
+# (unsupported()); the document says the only value served, null.
+NOT_SUPPORTED: Any = Field(None, json_schema_extra={"type": "null"})
+
+
+def only_with(field: str, needs: str) -> dict[str, Any]:
+    """Schema: `field` may be set (not null) only when `needs` is true."""
+    return {
+        "anyOf": [
+            {"not": {"required": [field]}},
+            {"properties": {field: {"type": "null"}}},
+            {"required": [needs], "properties": {needs: {"const": True}}},
+        ]
+    }
+
+
+_STREAM_OPTIONS_NEED_STREAM = only_with("stream_options", "stream")
+# A tool_choice but none: tools to choose from (chat.plan_tools).
+TOOL_CHOICE_NEEDS_TOOLS = {
+    "anyOf": [
+        {"not": {"required": ["tool_choice"]}},
+        {"properties": {"tool_choice": {"enum": [None, "none"]}}},
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+    ]
+}
+_TOP_LOGPROBS_NEED_LOGPROBS = only_with("top_logprobs", "logprobs")
+# Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
+_NOT_ECHO_WITH_LOGPROBS = {
+    "not": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
+}
+
+
 class _GenerationRequest(RequestBody):
     """Parameters shared by chat and completions, including vLLM's extras (sent via extra_body)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    n: Int = Field(1, ge=1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int | None = None
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    # Keys are token ids: _token_id() refuses others by name; the document says so with propertyNames.
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}}
+    )
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Identifiers and hints that do not change the output, so accepting them changes nothing.
     user: str | None = None
@@ -130,20 +284,20 @@ class _GenerationRequest(RequestBody):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     # vLLM's sampling extras.
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    priority: int = 0
+    top_k: Int = Field(0, ge=-1)
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0)
+    min_tokens: Int = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    priority: Int = 0
     # vLLM's structured outputs: the current field and the older guided_* ones.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted: xgrammar is the only backend
     guided_whitespace_pattern: str | None = None  # accepted: JSON is written without free whitespace
@@ -231,26 +385,30 @@ def _token_id(key: str) -> int:
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS, TOOL_CHOICE_NEEDS_TOOLS]}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    modalities: list[str] | None = None
-    store: bool | None = None
+    modalities: list[str] | None = Field(None, json_schema_extra={"const": ["text"]})  # the only one served
+    store: StrictBool | None = Field(None, json_schema_extra={"const": False})  # chat completions are never stored
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     # vLLM's template extras: keyword arguments for the chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI parameters pagoda does not implement yet: set to anything, they are refused.
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
+    functions: Any = NOT_SUPPORTED
+    function_call: Any = NOT_SUPPORTED
+    audio: Any = NOT_SUPPORTED
+    prediction: Any = NOT_SUPPORTED
+    web_search_options: Any = NOT_SUPPORTED
+    reasoning_effort: Any = NOT_SUPPORTED
+    verbosity: Any = NOT_SUPPORTED
 
     def unsupported(self) -> str | None:
         """The name of the first parameter that was set but is not implemented, or None."""
@@ -283,17 +441,19 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Prompt
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's and vLLM's default for completions
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: Int | None = Field(None, json_schema_extra={"const": 1})  # one completion per choice: OpenAI's default
+    suffix: str | None = NOT_SUPPORTED
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _NOT_ECHO_WITH_LOGPROBS]})
 
     def unsupported(self) -> str | None:
         if self.suffix is not None:
             return "suffix"
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != 1:
             return "best_of"
         if self.echo and self.logprobs is not None:
             # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
@@ -303,25 +463,37 @@ class CompletionRequest(_GenerationRequest):
 
 class EmbeddingRequest(RequestBody):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # accepted only as the model's hidden size: pagoda does not shorten vectors
+    dimensions: Int | None = Field(
+        None, json_schema_extra={"x-hidden-size": True}
+    )  # accepted only as the model's hidden size: pagoda does not shorten vectors
     user: str | None = None
 
 
 class TokenizeRequest(RequestBody):
+    # One of prompt and messages (the route says so when both or neither are given).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ----- responses -----
@@ -495,3 +667,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

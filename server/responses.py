@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from pydantic_core import to_json
 from starlette.requests import Request
 
@@ -30,18 +30,23 @@ from engine.sequence import RequestOutput
 from server import render
 from server.chat import ChoiceStream, OutputParser, StreamPiece, plan_tools, with_defaults
 from server.protocol import (
+    NOT_SUPPORTED,
+    TOOL_CHOICE_NEEDS_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
     ContentPart,
     DeltaToolCall,
     ErrorInfo,
+    Float,
     FunctionCall,
     FunctionDefinition,
+    Int,
     NamedFunction,
     NamedToolChoice,
     RequestBody,
     Tool,
     ToolCallIn,
+    only_with,
 )
 from server.streaming import ClientDisconnected, Generation
 
@@ -68,6 +73,61 @@ def _new_id(prefix: str) -> str:
 # ----- the request -----
 
 
+class InputPart(ContentPart):
+    """A text part of an input item: input_text or output_text (other types parse, and are refused by name)."""
+
+    # Any part parses; where the text is used (a message's content, a function_call_output's output), _TEXT
+    # says what is served (ContentPart's chat-only "text" type does not apply here).
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema.update(required=["type"]))
+
+
+_STRING = {"type": "string"}
+# A message's content or a function_call_output's output: text, or text parts, each with its text.
+_TEXT = {
+    "anyOf": [
+        _STRING,
+        {
+            "type": "array",
+            "items": {
+                "required": ["type", "text"],
+                "properties": {"type": {"enum": list(_TEXT_PARTS)}, "text": _STRING},
+            },
+        },
+    ]
+}
+# What conversation_messages() takes of each item type, for the OpenAPI document.
+_ITEM_SHAPES = {
+    "oneOf": [
+        {
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "system", "developer", "assistant"]},
+                "content": _TEXT,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": _STRING,
+                "name": _STRING,
+                "arguments": _STRING,
+            },
+            "required": ["type", "call_id", "name", "arguments"],
+        },
+        {
+            "properties": {
+                "type": {"const": "function_call_output"},
+                "call_id": _STRING,
+                "output": _TEXT,
+            },
+            "required": ["type", "call_id", "output"],
+        },
+        {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]},
+    ]
+}
+
+
 class InputItem(BaseModel):
     """One item of `input`: a message, a function_call, a function_call_output or a reasoning item.
 
@@ -75,24 +135,32 @@ class InputItem(BaseModel):
     annotations, ...) that change nothing here; `conversation_messages` checks what each type needs.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_ITEM_SHAPES)
     type: str = "message"  # a message may leave it out
     role: str | None = None
-    content: str | list[ContentPart] | None = None
+    content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[ContentPart] | None = None
+    output: str | list[InputPart] | None = None
+
+
+def _function_tool_only(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"] = {"const": "function"}
+    schema["properties"]["name"] = {"type": "string", "pattern": r"^[a-zA-Z0-9_.-]{1,64}$"}
+    schema["required"] = ["type", "name"]
+    schema["additionalProperties"] = False
 
 
 class FunctionTool(BaseModel):
-    # Loose, so a built-in tool (its own fields) parses and is refused by its type, by name.
-    model_config = ConfigDict(extra="allow")
+    # Loose, so a built-in tool (its own fields) parses and is refused by its type, by name; the document says
+    # what is served: function tools.
+    model_config = ConfigDict(extra="allow", json_schema_extra=_function_tool_only)
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextFormat(RequestBody):
@@ -100,34 +168,47 @@ class TextFormat(RequestBody):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class TextConfig(RequestBody):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: str | None = NOT_SUPPORTED
+
+
+_TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+            "required": ["type", "name"],
+        },
+    ]
+}
 
 
 class ResponseStreamOptions(RequestBody):
-    include_obfuscation: bool = False  # accepted: pagoda's events carry no padding to begin with
+    include_obfuscation: StrictBool = False  # accepted: pagoda's events carry no padding to begin with
 
 
 class ResponsesRequest(RequestBody):
     model: str | None = None
-    input: str | list[InputItem]
+    # Not empty (the route says "input is empty"; a pydantic bound would say "should be a string").
+    input: str | list[InputItem] = Field(json_schema_extra=lambda schema: schema["anyOf"][1].update(minItems=1))
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = 1.0
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
     tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_TOOL_CHOICE)
+    parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
-    store: bool = True
-    stream: bool = False
+    store: StrictBool = True
+    stream: StrictBool = False
     stream_options: ResponseStreamOptions | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     # Identifiers and hints that do not change the output, so accepting them changes nothing.
@@ -136,16 +217,21 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
-    max_tool_calls: int | None = None  # bounds built-in tool calls, and pagoda runs none
-    truncation: Literal["auto", "disabled"] = "disabled"
-    # OpenAI parameters pagoda does not implement: refused when they ask for something (unsupported()).
-    background: bool = False
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    reasoning: dict[str, Any] | None = None
-    conversation: Any = None
-    prompt: Any = None
-    context_management: Any = None
+    max_tool_calls: Int | None = None  # bounds built-in tool calls, and pagoda runs none
+    # OpenAI parameters pagoda does not implement: refused when they ask for something (unsupported()); the
+    # document gives the values that ask for nothing.
+    truncation: Literal["auto", "disabled"] = Field("disabled", json_schema_extra={"const": "disabled"})
+    background: StrictBool = Field(False, json_schema_extra={"const": False})
+    include: list[str] | None = Field(None, max_length=0)
+    top_logprobs: Int | None = Field(None, json_schema_extra={"const": 0})
+    reasoning: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": {"type": "null"}})
+    conversation: Any = NOT_SUPPORTED
+    prompt: Any = NOT_SUPPORTED
+    context_management: Any = NOT_SUPPORTED
+
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [only_with("stream_options", "stream"), TOOL_CHOICE_NEEDS_TOOLS]}
+    )
 
     def unsupported(self) -> str | None:
         """The name of the first parameter that asks for what pagoda does not do, or None."""
