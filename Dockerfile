@@ -18,7 +18,7 @@
 #                        flash_attn) matching the base's torch, CUDA, Python and C++ ABI, e.g. a
 #                        flash_attn-2.8.3+cu13torch2.11cxx11abiTRUE-cp3XX-... wheel. Never built from
 #                        source here (that needs nvcc and an hour). Empty (the default): not installed.
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
+ARG PYTORCH_IMAGE=docker.io/pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 FROM ${PYTORCH_IMAGE} AS deps
 ARG FLASH_ATTN4_VERSION=4.0.0b36

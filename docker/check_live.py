@@ -54,9 +54,11 @@ def check_server(url: str, served_name: str) -> None:
     print(f"json_schema: {value}")
 
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
-    assert samples.get("pagoda:request_success_total", 0) >= 3, sorted(samples)[:20]
-    print(f"/metrics: {sum(n.startswith('pagoda:') for n in samples)} pagoda: samples")
+    samples = [s for family in text_string_to_metric_families(metrics) for s in family.samples]
+    finished = sum(s.value for s in samples if s.name == "pagoda:request_success_total")  # by finished_reason
+    assert finished >= 3, [s for s in samples if s.name == "pagoda:request_success_total"]
+    names = {s.name for s in samples if s.name.startswith("pagoda:")}
+    print(f"/metrics: pagoda:request_success_total {finished:g}, {len(names)} pagoda: sample names")
 
 
 def check_prometheus(pagoda_url: str, prometheus_url: str, timeout: float = 120) -> None:

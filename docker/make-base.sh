@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make a local stand-in for `python:3.11-slim-bookworm` where no image registry can be reached:
+# Make a local stand-in for `docker.io/library/python:3.11-slim-bookworm` where no image registry can be reached:
 # Debian bookworm (minbase) with python3 3.11, venv and pip, imported into podman as
 # localhost/debian-py:bookworm. It also carries this machine's CA bundle, since pip inside a
 # build may reach PyPI through a proxy with its own certificate authority.
@@ -7,7 +7,7 @@
 #   bash docker/make-base.sh [IMAGE]        # as root; needs podman and debootstrap (~5 min, ~300 MB)
 #
 # On a host that can pull from Docker Hub none of this is needed: the Dockerfiles' defaults
-# (python:3.11-slim-bookworm, debian:bookworm-slim) are used.
+# (docker.io/library/python:3.11-slim-bookworm, docker.io/library/debian:bookworm-slim) are used.
 set -euo pipefail
 IMAGE=${1:-localhost/debian-py:bookworm}
 P=(podman --runtime runc --cgroup-manager=cgroupfs)

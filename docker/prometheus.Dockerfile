@@ -5,7 +5,7 @@
 # `command:` gives the flags, it runs as nobody, and /prometheus holds the data.
 #
 #   docker build -f docker/prometheus.Dockerfile -t localhost/prometheus:debian docker
-ARG DEBIAN_IMAGE=debian:bookworm-slim
+ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
 FROM ${DEBIAN_IMAGE}
 RUN apt-get update \
     && apt-get install -y --no-install-recommends prometheus \
