@@ -470,14 +470,17 @@ def compose_command() -> list[str] | None:
         return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    return None
+    podman_compose = shutil.which("podman-compose") or shutil.which(
+        "podman-compose", path=str(Path(sys.executable).parent)
+    )
+    return [podman_compose] if podman_compose else None
 
 
 def compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
     command = compose_command()
     if command is None:
         pytest.skip(
-            "neither `docker compose` nor `docker-compose` is installed; "
+            "none of `docker compose`, `docker-compose`, `podman-compose` is installed; "
             "test_compose_structure still checks the file with PyYAML (and docker/check.sh runs it with podman-compose)"
         )
     result = subprocess.run(
