@@ -20,6 +20,12 @@
 #                        source here (that needs nvcc and an hour). Empty (the default): not installed.
 ARG PYTORCH_IMAGE=docker.io/pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
+# pyproject.toml's [project] dependencies, one a line: the next stage's cache depends on this list only.
+FROM ${PYTORCH_IMAGE} AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /requirements.txt
+
 FROM ${PYTORCH_IMAGE} AS deps
 ARG FLASH_ATTN4_VERSION=4.0.0b36
 ARG FLASH_ATTN_WHEEL=
@@ -32,13 +38,11 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python3 -m venv --system-site-packages /opt/venv
 # The versions the tests ran with (docker/constraints.py writes the file).
 COPY docker/constraints.txt /tmp/constraints.txt
-# pagoda's dependencies from pyproject.toml (a code change does not reinstall them); torch>=2.4 is
-# already satisfied by the base, so pip keeps it.
-COPY pyproject.toml /tmp/pyproject.toml
+# pagoda's dependencies (the requirements stage's list: neither a code change nor one to pyproject.toml
+# elsewhere reinstalls them); torch>=2.4 is already satisfied by the base, so pip keeps it.
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
-    && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
+    pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
     && python3 -c "import torch, xgrammar, transformers, fastapi; print('torch', torch.__version__, torch.version.cuda)"
 # FLASH_ATTN_WHEEL names one exact wheel, so hadolint's "pin versions in pip" does not apply to it.
 # hadolint ignore=DL3013
