@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models import model_class
+from engine.quant import QuantScheme, detect_scheme, quantize_linears
 
 log = logging.getLogger("pagoda.loader")
 
@@ -63,36 +64,61 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     backend: AttentionBackend | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, dict]:
     """The model on `device` in `dtype`, its layers calling `backend` (default: the torch reference),
     and its HF config.
 
     Parameters are allocated on the device first, then each checkpoint tensor is read from its
     memory-mapped file straight to the device and copied in, so the host never holds the model.
+    A quantized checkpoint (or `quantization`, EngineConfig's) swaps its linears for the scheme's
+    modules (engine/quant) once the tensors are read.
     """
     hf_config = read_hf_config(model_dir)
     cls = model_class(hf_config)
+    scheme = detect_scheme(hf_config, model_dir, quantization)
+    if scheme is not None:
+        log.info("quantization: %s", scheme.describe())
+        if load_format == "dummy" and scheme.marker is not None:
+            raise ValueError(f"dummy weights cannot stand for a {scheme.name} checkpoint's packed tensors")
     with _default_dtype(dtype), torch.device(device):
         model = cls(hf_config, backend)
     if load_format == "dummy":
         _init_dummy(model, seed)
+        if scheme is not None:
+            quantize_linears(model, scheme, {})
     else:
-        _load_safetensors(model, Path(model_dir), device)
+        _load_safetensors(model, Path(model_dir), device, scheme)
     return model.eval(), hf_config
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
+def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, scheme: QuantScheme | None) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir} (use load_format='dummy' for random weights)")
     loaded: set[str] = set()
+    # Checkpoint module name -> its quantized tensors, for the layers the scheme's marker tensor marks.
+    quantized: dict[str, dict[str, torch.Tensor]] = {}
+    marked: set[str] = set()
+    if scheme is not None and scheme.marker is not None:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                marked.update(n.removesuffix(f".{scheme.marker}") for n in f.keys() if n.endswith(f".{scheme.marker}"))
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    if model.load_weight(name, f.get_tensor(name)):
+                    module, _, suffix = name.rpartition(".")
+                    if module in marked and suffix != "bias":  # a bias loads into its (fused) nn.Linear
+                        quantized.setdefault(module.removeprefix("model."), {})[suffix] = f.get_tensor(name)
                         loaded.add(name)
-    expected = _expected_checkpoint_names(model)
+                    elif model.load_weight(name, f.get_tensor(name)):
+                        loaded.add(name)
+        # A quantized layer's weight is its packed tensors (whatever module replaces it).
+        in_place_of_weights = {f"{module}.weight" for module in quantized}
+        if scheme is not None:
+            quantize_linears(model, scheme, quantized)
+    expected = _expected_checkpoint_names(model) - in_place_of_weights
     missing = expected - {n.removeprefix("model.") for n in loaded}
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
