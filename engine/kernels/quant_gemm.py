@@ -2,7 +2,7 @@
 
 The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for every weight-only scheme
 (GPTQ, AWQ, compressed-tensors, int8 at load): int32 words packing 32 / bits consecutive input rows,
-[K * bits / 32, N], with per-group scales and zero points [K / group, N]. A tile of BLOCK_K rows lies in
+[K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N]. A tile of BLOCK_K rows lies in
 one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
 
 Decode-sized batches (a few rows) read the whole weight for little arithmetic: there the K dimension is
@@ -56,6 +56,7 @@ def _weight_only_kernel(
 
 
 def _block_k(k: int, group: int) -> int:
+    # Dividing both, a tile never straddles groups, even in a short last group (K = 576, groups of 128).
     for bk in (128, 64, 32, 16):
         if group % bk == 0 and k % bk == 0:
             return bk
@@ -82,7 +83,7 @@ def weight_only_matmul(
     """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[1]
-    assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (k // group_size, n)
+    assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     bm, bn, bk, split = tiles(m, n, k, group_size, num_sms)
     if split == 1:

@@ -36,7 +36,7 @@ class IntWeight:
     when g_idx is None."""
 
     q: torch.Tensor  # [K, N] int32 in [0, 2**bits)
-    scales: torch.Tensor  # [G, N] floating
+    scales: torch.Tensor  # [G, N] floating, G = ceil(K / group_size)
     zeros: torch.Tensor  # [G, N] int32 in [0, 2**bits)
     bits: int
     group_size: int  # K when one group spans the whole input
@@ -54,17 +54,19 @@ def quantize_rtn(
     weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = True, g_idx: torch.Tensor | None = None
 ) -> IntWeight:
     """Round-to-nearest quantization of an [N, K] weight (as nn.Linear holds it) in groups of `group_size`
-    inputs (-1: one group), or in the groups `g_idx` gives ([K], each group_size rows, any order).
+    inputs (-1: one group), or in the groups `g_idx` gives ([K], each group_size rows but the last, any order).
 
     Symmetric: scale = max |w| / (2**(bits-1) - 1), zero point 2**(bits-1); asymmetric: the group's range
     over 2**bits - 1 levels, zero point where 0.0 rounds to."""
     n, k = weight.shape
     group_size = k if group_size == -1 else group_size
+    groups = -(-k // group_size)  # the last group is short when group_size does not divide K, as the tools make it
     w = weight.detach().float()
     if g_idx is not None:
         order = torch.argsort(g_idx, stable=True)
         w = w[:, order]
-    w = w.reshape(n, k // group_size, group_size)
+    # Zeros fill the short group: they change neither its absolute maximum nor its range, which holds 0.
+    w = torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
     top = (1 << bits) - 1
     if symmetric:
         scale = w.abs().amax(-1).clamp(min=1e-10) / ((1 << (bits - 1)) - 1)
@@ -73,7 +75,7 @@ def quantize_rtn(
         lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         scale = ((hi - lo) / top).clamp(min=1e-10)
         zero = (-lo / scale).round().clamp(0, top)
-    q = (w / scale[..., None]).round().add(zero[..., None]).clamp(0, top).to(torch.int32).reshape(n, k)
+    q = (w / scale[..., None]).round().add(zero[..., None]).clamp(0, top).to(torch.int32).reshape(n, -1)[:, :k]
     if g_idx is not None:
         q = q[:, torch.argsort(order)]
     return IntWeight(
