@@ -39,8 +39,8 @@ VARIANTS = {
 }
 
 
-def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood of ids[1:] given their prefixes, and how many tokens that is."""
+def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of one sequence through the engine's model (the engine must be idle)."""
     runner = llm.engine.runner
     block = runner.block_size
     n = len(ids)
@@ -49,10 +49,14 @@ def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
     meta = attention_metadata(runner.backend, block, runner.device, [n], positions, [table])
     with torch.no_grad():
         hidden = runner.model(torch.tensor(ids, device=runner.device), torch.from_numpy(positions), meta)
-        logits = runner.model.compute_logits(hidden).float()
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
-    target = torch.tensor(ids[1:], device=logits.device)
-    return -logprobs.gather(1, target[:, None]).sum().item(), n - 1
+        return runner.model.compute_logits(hidden).float()
+
+
+def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1:] given their prefixes, and how many tokens that is."""
+    logprobs = torch.log_softmax(prompt_logits(llm, ids)[:-1], dim=-1)
+    target = torch.tensor(ids[1:], device=logprobs.device)
+    return -logprobs.gather(1, target[:, None]).sum().item(), len(ids) - 1
 
 
 def perplexity(model_dir: str, dtype: str, quantization: str | None, windows: list[list[int]], window: int) -> float:

@@ -300,14 +300,15 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
 
-@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (8, -1), (4, -1)])
+@pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 64, 256), (8, -1, 256), (4, -1, 256), (4, 128, 192)])
 @pytest.mark.parametrize("m", [1, 3, 37])  # split-K decode tiles, and prompt tiles with a ragged edge
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, m, dtype):
+def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m, dtype):
+    """Including a short last group: 192 inputs in groups of 128 (SmolLM2's 576 are 4.5 groups of 128)."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
 
-    k, n = 256, 96
+    n = 96
     g = torch.Generator().manual_seed(m * 7 + bits)
     w = quantize_rtn(torch.randn(n, k, generator=g), bits, group, symmetric=bits == 8)
     x = torch.randn(m, k, generator=g).to(dtype)
