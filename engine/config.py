@@ -28,6 +28,8 @@ from engine.pooling_params import POOLING_TYPES
 DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 # The attention backends (engine/attention); `auto` picks one for the device.
 BACKENDS = ("torch", "triton", "flash_attn", "cpu")
+# The quantization schemes --quantization names, spelled as vllm serve spells them (engine/quant).
+QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
 
 
 def knob(default: Any, help: str, **metadata: Any) -> Any:
@@ -169,6 +171,15 @@ class EngineConfig:
         "auto: the safetensors files; dummy: random weights of the model's architecture (config.json), for benchmarks",
         choices=("auto", "safetensors", "dummy"),
     )
+    quantization: str | None = knob(
+        None,
+        "the checkpoint's quantization (gptq, awq, compressed-tensors: read from its quantization_config, so this "
+        "only confirms it), or fp8 (E4M3 weights with per-channel scales, activations quantized per token) or int8 "
+        "(weight-only, per-channel) made at load from a full-precision checkpoint",
+        choices=QUANTIZATIONS,
+        flags=("--quantization", "-q"),
+        default_help="the checkpoint's own, else none",
+    )
     seed: int = knob(0, "seeds dummy weights and the sampling of requests that give no seed")
     max_num_seqs: int = knob(256, "sequences decoded together, at most", min=1)
     max_num_batched_tokens: int = knob(
@@ -272,6 +283,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {self.attention_backend!r}"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 "pagoda serves a model on one GPU: tensor_parallel_size (-tp) must be 1, "

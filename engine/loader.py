@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models import model_class
+from engine.quant import QuantScheme, detect_scheme, quantize_linears
 
 log = logging.getLogger("pagoda.loader")
 
@@ -103,14 +104,22 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     backend: AttentionBackend | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, dict]:
     """The model on `device` in `dtype`, its layers calling `backend` (default: the torch reference),
     and its HF config.
 
     Parameters are allocated on the device first, then each checkpoint tensor is read from its
     memory-mapped file straight to the device and copied in, so the host never holds the model.
+    A quantized checkpoint (or `quantization`, EngineConfig's) swaps its linears for the scheme's
+    modules (engine/quant) once the tensors are read.
     """
     hf_config = read_hf_config(model_dir)
+    scheme = detect_scheme(hf_config, model_dir, quantization)
+    if scheme is not None:
+        log.info("quantization: %s", scheme.describe())
+        if load_format == "dummy" and scheme.marker is not None:
+            raise ValueError(f"dummy weights cannot stand for a {scheme.name} checkpoint's packed tensors")
     try:
         cls = model_class(hf_config)
         with _default_dtype(dtype), torch.device(device):
@@ -119,20 +128,37 @@ def load_model(
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
     if load_format == "dummy":
         _init_dummy(model, seed)
+        if scheme is not None:
+            quantize_linears(model, scheme, {})
     else:
-        _load_safetensors(model, Path(model_dir), device)
+        _load_safetensors(model, Path(model_dir), device, scheme)
     return model.eval(), hf_config
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
+def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, scheme: QuantScheme | None) -> None:
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    # Checkpoint module name -> its quantized tensors, for the layers the scheme's marker tensor marks.
+    quantized: dict[str, dict[str, torch.Tensor]] = {}
+    marked: set[str] = set()
+    if scheme is not None and scheme.marker is not None:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    marked.update(n.removesuffix(f".{scheme.marker}") for n in f.keys() if n.endswith(f".{scheme.marker}"))
+            except Exception as exc:  # a truncated file, a garbage header
+                raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
     with torch.no_grad():
         for file in files:
             try:
                 with safe_open(str(file), framework="pt", device=str(device)) as f:
                     for name in f.keys():
+                        module, _, suffix = name.rpartition(".")
+                        if module in marked and suffix != "bias":  # a bias loads into its (fused) nn.Linear
+                            quantized.setdefault(module.removeprefix("model."), {})[suffix] = f.get_tensor(name)
+                            loaded.add(name)
+                            continue
                         tensor = f.get_tensor(name)
                         _check_dtype(file, name, tensor, model, params)
                         if model.load_weight(name, tensor):
@@ -145,7 +171,11 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -
                 raise ModelLoadError(file, str(exc)) from None
             except Exception as exc:  # safetensors' own errors: a truncated file, a garbage header
                 raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
-    expected = _expected_checkpoint_names(model)
+        # A quantized layer's weight is its packed tensors (whatever module replaces it).
+        in_place_of_weights = {f"{module}.weight" for module in quantized}
+        if scheme is not None:
+            quantize_linears(model, scheme, quantized)
+    expected = _expected_checkpoint_names(model) - in_place_of_weights
     missing = expected - {n.removeprefix("model.") for n in loaded}
     if missing:
         raise ModelLoadError(

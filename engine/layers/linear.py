@@ -1,9 +1,11 @@
-"""Linear layers with their weights prepacked for oneDNN, for bfloat16 on the CPU."""
+"""Linear layers: weights prepacked for oneDNN (bfloat16 on the CPU), and the quantized linears engine/quant makes."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.quant import IntWeight, concat_outputs, pack_int32
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -45,3 +47,133 @@ def prepack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced
+
+
+# ----- quantized linears (engine/quant makes them at load; each forward runs one path, chosen there) -----
+
+
+def weight_only_linear(shards: list[IntWeight], bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """The layer for a weight-only quantized matrix (its fused shards in output order): the Triton kernel on
+    CUDA; on the CPU, where no kernel of pagoda's reads packed integers, the weight dequantized once to a
+    plain nn.Linear."""
+    if shards[0].q.device.type == "cuda":
+        return WeightOnlyLinear(concat_outputs(shards), bias, dtype)
+    weight = torch.cat([s.dequantize() for s in shards], dim=1)  # [K, N]
+    k, n = weight.shape
+    linear = nn.Linear(k, n, bias=bias is not None, dtype=dtype, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight.t())
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+class WeightOnlyLinear(nn.Module):
+    """x @ W for a W4A16 / W8A16 weight kept packed: int32 words of 32 // bits rows each ([K * bits / 32, N],
+    the input dimension packed, as GPTQ packs it), dequantized in registers by engine/kernels/quant_gemm.py.
+
+    Act-order weights (a g_idx that is not k // group_size) are stored with their rows sorted by group,
+    so groups are contiguous for the kernel, and the input's columns are gathered in the same order."""
+
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        q, perm = weight.q, None
+        if weight.g_idx is not None:
+            perm = torch.argsort(weight.g_idx, stable=True)
+            groups = torch.arange(q.shape[0], device=q.device) // weight.group_size
+            if not torch.equal(weight.g_idx[perm].long(), groups):
+                raise ValueError("act-order g_idx whose groups are not all group_size rows is not supported")
+            q = q[perm]
+        self.bits, self.group_size = weight.bits, weight.group_size
+        self.in_features, self.out_features = q.shape
+        self.register_buffer("qweight", pack_int32(q, weight.bits, dim=0))
+        self.register_buffer("scales", weight.scales.to(dtype).contiguous())
+        self.register_buffer("zeros", weight.zeros.to(dtype).contiguous())  # small integers: exact in bf16
+        self.register_buffer("perm", perm)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.quant_gemm import weight_only_matmul
+
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2[:, self.perm]
+        out = weight_only_matmul(x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization of [M, K] to fp8 E4M3 or int8: (values, float32 [M, 1] scales)."""
+    qmax = FP8_MAX if qdtype == FP8 else 127.0
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    scaled = x.float() / scale
+    q = scaled.clamp(-qmax, qmax).to(FP8) if qdtype == FP8 else scaled.round().clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+class ScaledLinear(nn.Module):
+    """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
+    per token at run time (or with one static scale a checkpoint gives). CUDA multiplies the 8-bit values
+    (torch._scaled_mm for fp8, torch._int_mm for int8); the CPU runs the torch reference, which rounds the
+    same way and multiplies in float32."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_scale: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(1, 1))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        cuda = weight.device.type == "cuda"
+        if weight.dtype == FP8:
+            self._matmul = self._fp8_cuda if cuda else self._reference
+        else:
+            self._matmul = self._int8_cuda if cuda else self._reference
+
+    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_scale is None:
+            return quantize_per_row(x, self.weight.dtype)
+        qmax = FP8_MAX if self.weight.dtype == FP8 else 127.0
+        scaled = (x.float() / self.input_scale).clamp(-qmax, qmax)
+        q = scaled.to(FP8) if self.weight.dtype == FP8 else scaled.round().to(torch.int8)
+        return q, self.input_scale.expand(x.shape[0], 1)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = self._quantize_input(x)
+        out = (xq.float() @ self.weight.float().t()) * xs * self.weight_scale
+        return out.to(self.dtype)
+
+    def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = self._quantize_input(x)
+        # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
+        return torch._scaled_mm(
+            xq, self.weight.t(), scale_a=xs.contiguous(), scale_b=self.weight_scale, out_dtype=self.dtype
+        )
+
+    def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = self._quantize_input(x)
+        m = xq.shape[0]
+        if m <= 16:  # _int_mm takes more than 16 rows only
+            xq = torch.nn.functional.pad(xq, (0, 0, 0, 32 - m))
+        acc = torch._int_mm(xq, self.weight.t())[:m]
+        return (acc.float() * xs * self.weight_scale).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)

@@ -77,9 +77,11 @@ class ModelRunner:
         what = "dummy weights" if config.load_format == "dummy" else f"the weights of {model_dir}"
         log.info("loading %s (%s on %s)", what, config.dtype, config.device)
         self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, config.load_format, config.seed, self.backend
+            model_dir, self.dtype, self.device, config.load_format, config.seed, self.backend, config.quantization
         )
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # The state dict holds quantized layers' buffers beside the parameters (and a tied head twice).
+        weights = {t.data_ptr(): t for t in self.model.state_dict().values() if t is not None}
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         log.info("weights loaded in %.1f s (%.2f GiB)", time.perf_counter() - start, weight_bytes / 2**30)
         mc = self.model.config
         self.vocab_size = mc.vocab_size

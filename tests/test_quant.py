@@ -1,0 +1,372 @@
+"""Quantized checkpoints and load-time quantization (engine/quant): layouts, detection, and models that load them.
+
+The checkpoints are written by bench/quant_checkpoints.py in the tools' exact on-disk formats (round-to-nearest
+values packed by pagoda's packers; no quantizing tool runs here, see README). The layouts are also checked
+against words built by hand from the formats' definitions, so a packer and unpacker wrong the same way fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench.quant_checkpoints import RECIPES, write
+from engine.layers.linear import FP8, ScaledLinear, quantize_per_row
+from engine.quant import (
+    IntWeight,
+    UnsupportedQuantization,
+    awq,
+    compressed_tensors,
+    detect_scheme,
+    gptq,
+    pack_int32,
+    quantize_rtn,
+    unpack_int32,
+)
+
+
+def _rand_int_weight(k: int, n: int, bits: int, group: int, seed: int, act_order: bool = False) -> IntWeight:
+    g = torch.Generator().manual_seed(seed)
+    top = 1 << bits
+    groups = k // group
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // group
+    return IntWeight(
+        torch.randint(0, top, (k, n), generator=g, dtype=torch.int32),
+        torch.rand(groups, n, generator=g).half() + 0.01,
+        torch.randint(0, top, (groups, n), generator=g, dtype=torch.int32),
+        bits,
+        group,
+        g_idx,
+    )
+
+
+def _same(a: IntWeight, b: IntWeight) -> None:
+    assert torch.equal(a.q, b.q) and torch.equal(a.zeros, b.zeros) and torch.equal(a.scales, b.scales)
+    assert (a.bits, a.group_size) == (b.bits, b.group_size)
+    assert (a.g_idx is None) == (b.g_idx is None) and (a.g_idx is None or torch.equal(a.g_idx, b.g_idx))
+
+
+# ----- layouts -----
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_int32_packing_round_trips_with_the_top_bit_set(bits, dim):
+    values = torch.randint(0, 1 << bits, (16, 32), dtype=torch.int32)
+    values[0, :] = (1 << bits) - 1  # words whose top bit is set are negative int32s
+    packed = pack_int32(values, bits, dim)
+    assert packed.dtype == torch.int32 and (packed < 0).any()
+    assert torch.equal(unpack_int32(packed, bits, dim), values)
+
+
+def test_packed_fields_run_from_the_low_bits():
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_int32(word, 4, dim=0).flatten().tolist() == list(range(8))
+    assert unpack_int32(torch.tensor([[0x04030201]], dtype=torch.int32), 8, dim=1).flatten().tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bits, group, act_order", [(4, 32, False), (4, 64, True), (8, 128, False), (8, 128, True)])
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_round_trip(bits, group, act_order, v2):
+    w = _rand_int_weight(256, 64, bits, group, seed=bits + group, act_order=act_order)
+    scheme = gptq.GPTQ(bits, group, v2=v2, sym=False, desc_act=act_order)
+    _same(scheme.unpack(gptq.pack(w, v2=v2)), w)
+
+
+def test_gptq_v1_stores_zero_points_minus_one():
+    """auto-gptq's format: a symmetric 4-bit zero point of 8 is stored as 7 (0x77777777 words), and a zero
+    point of 0 wraps to 15; gptq_v2 stores 8 and 0 themselves."""
+    k, n = 32, 8
+    q = torch.zeros(k, n, dtype=torch.int32)
+    zeros = torch.full((1, n), 8, dtype=torch.int32)
+    zeros[0, 1] = 0
+    w = IntWeight(q, torch.ones(1, n).half(), zeros, 4, k)
+    v1 = gptq.pack(w)["qzeros"]
+    assert unpack_int32(v1, 4, dim=1)[0].tolist() == [7, 15, 7, 7, 7, 7, 7, 7]
+    assert unpack_int32(gptq.pack(w, v2=True)["qzeros"], 4, dim=1)[0].tolist() == [8, 0, 8, 8, 8, 8, 8, 8]
+    assert (
+        gptq.GPTQ(4, -1, v2=False, sym=True, desc_act=False).unpack(gptq.pack(w)).zeros[0].tolist() == zeros[0].tolist()
+    )
+
+
+def test_awq_interleaves_columns_within_a_word():
+    """AutoAWQ's GEMM packer puts column AWQ_ORDER[i] of each eight in field i: fields 0..7 holding 0..7
+    mean columns 0..7 hold 0, 4, 1, 5, 2, 6, 3, 7."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    t = {"qweight": word, "qzeros": word, "scales": torch.ones(1, 8).half()}
+    w = awq.AWQ(-1).unpack(t)
+    assert w.q[0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert w.zeros[0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_awq_round_trip(group):
+    w = _rand_int_weight(256, 64, 4, group, seed=group)
+    _same(awq.AWQ(group).unpack(awq.pack(w)), w)
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 128, True), (4, 32, False), (8, -1, True), (8, 64, False)])
+def test_compressed_tensors_round_trip(bits, group, symmetric):
+    k, n = 256, 40  # N not a multiple of 8: asymmetric zero points are packed along N with padding
+    w = quantize_rtn(torch.randn(n, k), bits, group, symmetric)
+    scheme = compressed_tensors.CompressedWeightOnly(bits, None if group == -1 else group)
+    tensors = compressed_tensors.pack(w, symmetric)
+    assert tensors["weight_packed"].shape == (n, k * bits // 32)
+    assert tensors["weight_shape"].tolist() == [n, k]
+    _same(scheme.unpack(tensors), w)
+
+
+def test_compressed_tensors_stores_signed_values_offset():
+    """pack_to_int32 stores a signed q as q + 2**(bits-1): stored field 0 is q = -8, i.e. 8 below the
+    (symmetric) zero point."""
+    t = {
+        "weight_packed": torch.zeros(1, 1, dtype=torch.int32),
+        "weight_scale": torch.ones(1, 1),
+        "weight_shape": torch.tensor([1, 8]),
+    }
+    w = compressed_tensors.CompressedWeightOnly(4, None).unpack(t)
+    assert w.dequantize().flatten().tolist() == [-8.0] * 8
+
+
+def test_rtn_dequantizes_within_half_a_step():
+    weight = torch.randn(48, 256)
+    for symmetric in (True, False):
+        w = quantize_rtn(weight, 4, 64, symmetric)
+        step = w.scales.float().repeat_interleave(64, 0).t()
+        assert ((w.dequantize().t() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+# ----- detection -----
+
+
+def _dir_with(tmp_path, qc: dict | None, files: dict | None = None):
+    cfg = {"architectures": ["LlamaForCausalLM"]}
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name, body in (files or {}).items():
+        (tmp_path / name).write_text(json.dumps(body))
+    return cfg
+
+
+def test_detection_reads_config_and_the_older_side_files(tmp_path):
+    cfg = _dir_with(tmp_path, None, {"quantize_config.json": {"bits": 4, "group_size": 128, "desc_act": True}})
+    scheme = detect_scheme(cfg, tmp_path)
+    assert isinstance(scheme, gptq.GPTQ) and scheme.desc_act and not scheme.v2
+    cfg = _dir_with(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "GEMM"})
+    assert isinstance(detect_scheme(cfg, tmp_path, "awq"), awq.AWQ)
+    cfg = _dir_with(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "gptq_v2"})
+    assert detect_scheme(cfg, tmp_path).v2
+    assert detect_scheme(_dir_with(tmp_path / "..", None), tmp_path / "..") is None
+
+
+@pytest.mark.parametrize(
+    "qc, override, words",
+    [
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, None, ["bits=3", "supported: bits 4/8"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, None, ["marlin"]),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None, ["version=gemv", "gemm"]),
+        ({"quant_method": "bitsandbytes"}, None, ["'bitsandbytes'", "gptq, awq, compressed-tensors"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "awq", ["quantized with gptq", "--quantization awq"]),
+        (None, "gptq", ["needs a checkpoint quantized with it"]),
+        (None, "marlin", ["not supported", "gptq, awq, compressed-tensors, fp8, int8"]),
+        (
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
+                "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
+            None,
+            ["weights float4 tensor_group", "W4A16 / W8A16"],
+        ),
+    ],
+)  # fmt: skip
+def test_unsupported_quantization_fails_naming_what_and_what_is_supported(tmp_path, qc, override, words):
+    cfg = _dir_with(tmp_path, qc)
+    with pytest.raises(UnsupportedQuantization) as err:
+        detect_scheme(cfg, tmp_path, override)
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_load_time_schemes_need_no_config(tmp_path):
+    cfg = _dir_with(tmp_path, None)
+    assert detect_scheme(cfg, tmp_path, "fp8").name == "fp8"
+    assert detect_scheme(cfg, tmp_path, "int8").name == "int8"
+
+
+# ----- W8A8 reference -----
+
+
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+def test_scaled_linear_reference_is_close_to_the_float_product(qdtype):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 128, generator=g), torch.randn(5, 128, generator=g)
+    q, scale = quantize_per_row(w, qdtype)
+    layer = ScaledLinear(q, scale.flatten(), None, torch.float32)
+    out, exact = layer(x), x @ w.t()
+    tol = 0.08 if qdtype == FP8 else 0.02  # E4M3 keeps 3 mantissa bits, int8 ~7
+    assert (out - exact).norm() / exact.norm() < tol
+    assert (out - exact).norm() / exact.norm() > 1e-4  # it did quantize
+
+
+# ----- whole models -----
+
+LOGIT_RECIPES = ["gptq-w4g128", "gptq-w4g32-actorder", "gptq-w8g-1", "gptqv2-w4g64-asym", "awq-w4g128",
+                 "ct-w4a16-g32-asym", "ct-w8a16-channel"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_model_dir, tmp_path_factory):
+    """Recipe name -> a tiny Qwen2 (fused qkv with bias, tied head) checkpoint written in that format, groups of
+    128 made 32 (the tiny model's layers have 64 inputs)."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            recipe = RECIPES[name]
+            if recipe.group_size > 32:
+                recipe = dataclasses.replace(recipe, group_size=32)
+            made[name] = write(tiny_model_dir("qwen2"), tmp_path_factory.mktemp(name), recipe)
+        return made[name]
+
+    return make
+
+
+PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7], list(range(40, 80))]
+
+
+@pytest.mark.parametrize("name", LOGIT_RECIPES)
+def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(quantized_dirs, name):
+    """pagoda serving a quantized checkpoint gives the greedy tokens transformers gives on the weights it
+    dequantizes to (fused qkv with bias and fused gate/up concatenated from their quantized shards)."""
+    from tests.test_greedy_equality import hf_greedy, pagoda_greedy
+
+    qdir = quantized_dirs(name)
+    expected = hf_greedy(qdir / "reference", PROMPTS, 16)
+    got, llm = pagoda_greedy(qdir, PROMPTS, 16, {}, alone=False)
+    assert got == expected
+    assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # dequantized on CPU
+
+
+@pytest.mark.parametrize("quantization, tol", [("int8", 0.02), ("fp8", 0.1)])
+def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, quantization, tol):
+    from engine.attention.torch_ref import TorchBackend
+    from engine.loader import load_model
+
+    model_dir = tiny_model_dir("llama")
+    full, _ = load_model(model_dir, torch.float32, torch.device("cpu"), backend=TorchBackend())
+    quant, _ = load_model(
+        model_dir, torch.float32, torch.device("cpu"), backend=TorchBackend(), quantization=quantization
+    )
+    gen = torch.Generator().manual_seed(3)
+    for a, b in [(full.layers[0].self_attn.qkv_proj, quant.layers[0].self_attn.qkv_proj),
+                 (full.layers[1].mlp.down_proj, quant.layers[1].mlp.down_proj)]:  # fmt: skip
+        x = torch.randn(7, a.in_features, generator=gen)
+        ref, out = a(x), b(x)
+        err = (out - ref).norm() / ref.norm()
+        assert 1e-5 < err < tol
+    assert type(quant.lm_head) is torch.nn.Linear  # the LM head stays full precision
+
+
+def test_corrupted_quantized_checkpoint_fails_at_load(quantized_dirs, tmp_path):
+    """A checkpoint that lacks one shard's packed tensors is refused at start, naming what is missing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.loader import load_model
+
+    src = quantized_dirs("gptq-w4g128")
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.qweight"], tensors["model.layers.0.self_attn.k_proj.qzeros"]
+    del tensors["model.layers.0.self_attn.k_proj.scales"], tensors["model.layers.0.self_attn.k_proj.g_idx"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="k_proj"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+# ----- the Triton W4A16 / W8A16 kernel (Triton's interpreter without a GPU, at small shapes) -----
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 64, 256), (8, -1, 256), (4, -1, 256), (4, 128, 192)])
+@pytest.mark.parametrize("m", [1, 3, 37])  # split-K decode tiles, and prompt tiles with a ragged edge
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m, dtype):
+    """Including a short last group: 192 inputs in groups of 128 (SmolLM2's 576 are 4.5 groups of 128)."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    n = 96
+    g = torch.Generator().manual_seed(m * 7 + bits)
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, group, symmetric=bits == 8)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    ref = x.float() @ w.dequantize().to(dtype).float()
+    qweight = pack_int32(w.q, bits, dim=0)
+    out = weight_only_matmul(x.to(DEV), qweight.to(DEV), w.scales.to(dtype).to(DEV), w.zeros.to(dtype).to(DEV),
+                             bits, w.group_size)  # fmt: skip
+    assert out.dtype == dtype and out.shape == (m, n)
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=atol)
+
+
+def test_split_k_covers_decode_batches():
+    from engine.kernels.quant_gemm import tiles
+
+    assert tiles(1, 4096, 4096, 128, num_sms=132)[3] > 1  # a GEMV splits K to fill the GPU
+    assert tiles(256, 4096, 4096, 128, num_sms=132)[3] == 1
+
+
+def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():
+    """An act-order GPTQ layer (shards sharing one g_idx, bias) through the kernel equals its dequantized product."""
+    pytest.importorskip("triton")
+    from engine.layers.linear import WeightOnlyLinear
+    from engine.quant import concat_outputs
+
+    k = 128
+    g = torch.Generator().manual_seed(5)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // 32
+    shards = [quantize_rtn(torch.randn(n, k, generator=g), 4, 32, False, g_idx) for n in (64, 32, 32)]
+    fused = concat_outputs(shards)
+    bias = torch.randn(128, generator=g)
+    layer = WeightOnlyLinear(fused, bias, torch.float32).to(DEV)
+    assert layer.perm is not None
+    x = torch.randn(2, 5, k, generator=g)
+    ref = x @ torch.cat([s.dequantize() for s in shards], 1) + bias
+    torch.testing.assert_close(layer(x.to(DEV)).cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Llama-3-8B-sized bf16 shapes)")
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
+def test_weight_only_kernel_full_shapes_bf16_on_cuda(m):
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    k, n = 4096, 14336
+    w = quantize_rtn(torch.randn(n, k, device="cuda"), 4, 128)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = x @ w.dequantize().to(torch.bfloat16)
+    out = weight_only_matmul(x, pack_int32(w.q, 4, 0), w.scales.bfloat16(), w.zeros.bfloat16(), 4, 128)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch._scaled_mm / torch._int_mm)")
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_scaled_linear_cuda_matches_its_reference(qdtype, m):
+    w = torch.randn(1024, 2048, device="cuda")
+    q, scale = quantize_per_row(w, qdtype)
+    layer = ScaledLinear(q, scale.flatten(), None, torch.bfloat16)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), layer._reference(x).float(), atol=0.05, rtol=0.02)
