@@ -364,7 +364,8 @@ def conversation_messages(history: list[InputItem], items: list[InputItem]) -> l
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=output))
             turn = None
         elif kind == "reasoning":
-            text = "\n".join(part.text or "" for part in item.content or [])
+            content = item.content or []
+            text = content if isinstance(content, str) else "\n".join(part.text or "" for part in content)
             if turn is None or turn.content or turn.tool_calls:
                 turn = ChatMessage(role="assistant", content="")
                 messages.append(turn)

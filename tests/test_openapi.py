@@ -146,3 +146,14 @@ def test_a_top_p_too_small_for_float32_keeps_the_top_token_and_the_engine_alive(
     greedy = post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0}).json()
     assert r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]  # only the top token is left
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_reasoning_item_with_text_content_is_taken(url):
+    # Found by schemathesis: a reasoning input item whose content is a string (as a message's may be) was a 500.
+    body = {
+        "input": [{"type": "reasoning", "content": "Thinking."}, {"role": "user", "content": "Hi"}],
+        "max_output_tokens": 1,
+        "store": False,
+    }
+    r = post(url, "/v1/responses", body)
+    assert r.status_code == 200, r.text
