@@ -146,7 +146,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, s
         for file in files:
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
-                    marked.update(n.removesuffix(f".{scheme.marker}") for n in f.keys() if n.endswith(f".{scheme.marker}"))
+                    suffix = f".{scheme.marker}"
+                    marked.update(n.removesuffix(suffix) for n in f.keys() if n.endswith(suffix))
             except Exception as exc:  # a truncated file, a garbage header
                 raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
     with torch.no_grad():
