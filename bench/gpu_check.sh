@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
+#   bash bench/gpu_check.sh tests faults spec quant ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -16,6 +16,18 @@ for step in "$@"; do
              tests/test_cuda.py tests/test_greedy_equality.py -k "cuda or kernel or triton" 2>&1 | tee $OUT/pytest-cuda.log | tail -5 ;;
     faults) python3 -m pytest -q -p no:cacheprovider tests/test_engine_faults.py -k cuda 2>&1 \
              | tee $OUT/pytest-cuda-faults.log | tail -5 ;;
+    spec) python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py -k "cuda or async_steps" 2>&1 \
+             | tee $OUT/pytest-cuda-spec.log | tail -5 ;;
+    quant) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k cuda 2>&1 \
+             | tee $OUT/pytest-cuda-quant.log | tail -5
+           python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;
+    # A/B of the hot path against an earlier tree copied to $AB_BASE (an ignored folder carried with the
+    # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each.
+    ab-w1|ab-w2) for side in base new; do
+             dir=$PWD; [ $side = base ] && dir=$AB_BASE
+             (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton \
+                --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
+           done ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or piecewise" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
