@@ -344,7 +344,8 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
-    kwargs = dict(dtype="float32", device=device, attention_backend=backend, async_scheduling=True)
+    pool = {"cpu_kv_cache_bytes": KV_BYTES} if device == "cpu" else {"num_gpu_blocks_override": 256}  # two engines
+    kwargs = dict(dtype="float32", device=device, attention_backend=backend, async_scheduling=True, **pool)
     want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
     spec = {**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 4}
     llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
