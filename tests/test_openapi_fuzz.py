@@ -60,6 +60,7 @@ def test_schemathesis_finds_nothing_with_every_check(tmp_path):
         # The failures (each with its curl command to reproduce it), then the summary.
         assert out.returncode == 0, report[report.find("FAILURES") :][:12000] + report[-1500:]
         assert "13 selected / 13 total" in report, report[-3000:]
+        print(report[report.find("SUMMARY") :])  # the figures WRITEUP.md quotes (pytest -s shows them)
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
     assert "Traceback" not in srv.log()
