@@ -23,7 +23,7 @@ for step in "$@"; do
            python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;
     # A/B of the hot path against an earlier tree copied to $AB_BASE (an ignored folder carried with the
     # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each.
-    ab-w1|ab-w2) for side in base new; do
+    ab-w1|ab-w2) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
              (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton \
                 --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
