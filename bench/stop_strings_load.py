@@ -25,15 +25,14 @@ import signal
 import socket
 import statistics
 import string
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 
 from bench.naming import results_path, short_commit
+from bench.stream_load import start_server
 
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 256  # the server's bounds (README, "Limits and failure behaviour")
 
@@ -129,28 +128,6 @@ async def measure(args, base_url: str) -> dict:
     return out
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    pagoda = Path(sys.executable).with_name("pagoda")
-    cmd = [str(pagoda), "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype]
-    cmd += ["--device", args.device, "--disable-uvicorn-access-log"]
-    log = open("/tmp/stop_strings_load_server.log", "w")  # a file, not a pipe: a full pipe would block the server
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            break
-        time.sleep(0.5)
-    raise SystemExit("the server did not start; see /tmp/stop_strings_load_server.log")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="A/B pairs, alternating")
@@ -163,6 +140,10 @@ def main() -> None:
         "--out", default=None, help="default: $OUT or ./bench-results, <date>-<device>-<commit>-stop-strings-load.jsonl"
     )
     args = parser.parse_args()
+    with socket.socket() as sock:  # a free port, for stream_load's start_server
+        sock.bind(("127.0.0.1", 0))
+        args.port = sock.getsockname()[1]
+    args.max_model_len = None
 
     process, base_url = start_server(args)
     try:
