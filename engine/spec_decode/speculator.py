@@ -57,6 +57,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.cost_ratio = cost_ratio
         self.stats: dict[int, _Acceptance] = {}  # seq_id -> its recent drafts (decoding sequences only)
+        # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
+        # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
+        self._propose = self._ngram if config.method == "ngram" else self._placeholders
 
     def num_decoding(self, running: list[Sequence]) -> int:
         return sum(s.num_uncomputed_tokens == 1 for s in running)
@@ -103,14 +106,21 @@ class Speculator:
         chosen = np.flatnonzero(k > 0)
         if not len(chosen):
             return {}
-        seqs = [decoding[i] for i in chosen]
+        return self._propose([decoding[i] for i in chosen], k[chosen])
+
+    def _ngram(self, seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
         proposals = ngram_drafts(
             [s.token_array(0, len(s.token_ids)) for s in seqs],
-            k[chosen],
+            k,
             self.config.prompt_lookup_min,
             self.config.prompt_lookup_max,
         )
         return {s.seq_id: d.tolist() for s, d in zip(seqs, proposals) if len(d)}
+
+    @staticmethod
+    def _placeholders(seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
+        """k placeholder tokens per sequence, which the draft model replaces after scheduling."""
+        return {s.seq_id: [0] * int(n) for s, n in zip(seqs, k)}
 
     def observe(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `seq` was verified: `num_accepted` of its `num_draft` tokens were taken."""
