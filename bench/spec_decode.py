@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     decode = statistics.mean(t for r in runs["plain"] for t in r["steps"])
     verify = [t for r in runs[name] for t, d in zip(r["steps"], r["drafts"]) if d]
     c = (statistics.mean(verify) / decode - 1.0) / k_mean if verify else float("nan")
-    expected = (1 - a ** (k_mean + 1)) / ((1 - a) * (1 + c * k_mean)) if verify and a < 1 else float("nan")
+    # E(a, k) = (1 - a^(k+1)) / (1 - a), which is k + 1 at a = 1 (a draft model drafting for itself).
+    emitted = (1 - a ** (k_mean + 1)) / (1 - a) if a < 1 else k_mean + 1
+    expected = emitted / (1 + c * k_mean) if verify else float("nan")
     steps_with_drafts = len(verify) / max(1, sum(len(r["steps"]) for r in runs[name]))
     summary = {
         **meta,

@@ -161,7 +161,70 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, drafts):
     assert first == second and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "device, backend",
+    [("cpu", "auto"), pytest.param("cuda", "triton", marks=CUDA), pytest.param("cuda", "torch", marks=CUDA)],
+)
+def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir, drafts):
+    """As tests/test_spec_decode.py's test of that name, with a draft model: 6 sequences under a limit of 4
+    start without drafts, their steps overlapped, and speculate synchronously once fewer are left; on the GPU,
+    verify steps and the draft's eager forwards come between decode-graph steps."""
+    model_dir = tiny_model_dir("llama")
+    prompts = repetitive_prompts(6, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+    pool = {"cpu_kv_cache_bytes": KV_BYTES} if device == "cpu" else {"num_gpu_blocks_override": 256}
+    kwargs = dict(dtype="float32", device=device, attention_backend=backend, async_scheduling=True, **pool)
+    want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
+    spec = {"model": str(drafts["llama"]), "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
+    llm.engine.speculator.cost_ratio = 0.0
+    got, stats = run(llm, prompts, params)
+    assert got == want and stats.num_accepted_tokens > 0
+    assert not any(llm.engine.block_manager.ref_counts)
+
+
 # ----- sampling: the distribution is the target's (chi-square) -----
+
+
+def rule_samples(residual=None) -> tuple[np.ndarray, np.ndarray]:
+    """The rule alone, on 8 tokens: 40,000 seeded rows draw a draft token from q (Sampler.propose) and check
+    it against p (Sampler with DraftedRows) at T = 0.8, top-p 0.9; the tokens kept, and p as filtered."""
+    from engine.sampler import DraftedRows, SamplerRow
+
+    sampler = Sampler(8, frozenset(), torch.device("cpu"))
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    n = 40_000
+    rows = [SamplerRow(params, seed, [1], [], 5) for seed in range(n)]
+    target = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    draft = torch.tensor([0.0, 2.5, 0.5, 1.5, -1.0, 0.0, -2.0, 1.0])  # likes tokens 1 and 3 far more
+    tokens, q = sampler.propose(draft.expand(n, 8), rows)
+    tokens_list = tokens.tolist()
+    out = sampler(target.expand(n, 8), rows, drafted=DraftedRows(list(range(n)), tokens_list, q)).token_ids
+    p = (target / 0.8).softmax(-1).double().numpy()
+    order = np.argsort(-p)
+    kept = order[: int((np.cumsum(p[order]) - p[order] < 0.9).sum())]
+    filtered = np.zeros(8)
+    filtered[kept] = p[kept]
+    return np.bincount(out.numpy(), minlength=8), filtered / filtered.sum()
+
+
+def goodness_of_fit(counts: np.ndarray, p: np.ndarray) -> float:
+    observed, expected = counts[p > 0], p[p > 0] * counts.sum()
+    assert counts[p == 0].sum() == 0  # nothing outside the filtered distribution
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_the_rule_draws_from_p_whatever_q(monkeypatch):
+    counts, p = rule_samples()
+    assert goodness_of_fit(counts, p) > 1e-3
+    monkeypatch.setattr(Sampler, "residual", staticmethod(lambda p, q: p))  # the mutation
+    counts, p = rule_samples()
+    assert goodness_of_fit(counts, p) < 1e-6
 
 
 @pytest.fixture(scope="module")
