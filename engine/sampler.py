@@ -278,8 +278,13 @@ class Sampler:
         self._filter(x, random)
         p = x.softmax(dim=-1)
         q = drafted.q
+        # A draft whose logits were not finite proposed nothing meaningful: its row rejects (q(d) = inf) and
+        # draws from p (q = 0), so a fault of the draft model costs speed, never the output's distribution.
+        broken = ~q.sum(dim=-1).isfinite()
+        q = torch.where(broken[:, None], 0.0, q)
         d = torch.tensor(drafted.tokens, device=x.device)[:, None]
         p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
+        q_d = torch.where(broken, float("inf"), q_d)
         u = uniforms(random.seeds + ACCEPT_SALT, random.steps, 1)[:, 0]
         keep = u * q_d.double() <= p_d.double()
         residual = self.residual(p, q)

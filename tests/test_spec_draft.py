@@ -189,7 +189,7 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
 # ----- sampling: the distribution is the target's (chi-square) -----
 
 
-def rule_samples(residual=None) -> tuple[np.ndarray, np.ndarray]:
+def rule_samples(broken_draft: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The rule alone, on 8 tokens: 40,000 seeded rows draw a draft token from q (Sampler.propose) and check
     it against p (Sampler with DraftedRows) at T = 0.8, top-p 0.9; the tokens kept, and p as filtered."""
     from engine.sampler import DraftedRows, SamplerRow
@@ -202,6 +202,8 @@ def rule_samples(residual=None) -> tuple[np.ndarray, np.ndarray]:
     draft = torch.tensor([0.0, 2.5, 0.5, 1.5, -1.0, 0.0, -2.0, 1.0])  # likes tokens 1 and 3 far more
     tokens, q = sampler.propose(draft.expand(n, 8), rows)
     tokens_list = tokens.tolist()
+    if broken_draft:  # a draft model whose logits were NaN
+        q.fill_(float("nan"))
     out = sampler(target.expand(n, 8), rows, drafted=DraftedRows(list(range(n)), tokens_list, q)).token_ids
     p = (target / 0.8).softmax(-1).double().numpy()
     order = np.argsort(-p)
@@ -221,6 +223,8 @@ def goodness_of_fit(counts: np.ndarray, p: np.ndarray) -> float:
 
 def test_the_rule_draws_from_p_whatever_q(monkeypatch):
     counts, p = rule_samples()
+    assert goodness_of_fit(counts, p) > 1e-3
+    counts, p = rule_samples(broken_draft=True)  # every draft rejected, the token drawn from p
     assert goodness_of_fit(counts, p) > 1e-3
     monkeypatch.setattr(Sampler, "residual", staticmethod(lambda p, q: p))  # the mutation
     counts, p = rule_samples()
