@@ -342,15 +342,14 @@ def smol_vocab_llama(default_model_dir, tmp_path_factory):
 
 
 def test_the_default_model_drafts_for_a_random_llama_of_its_vocabulary(smol_vocab_llama, default_model_dir):
-    prompts = [REPEAT, "List the numbers from 1 to 12, separated by commas: 1, 2, 3,"]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(max_model_len=512)
-    want = [o.outputs[0].token_ids for o in make(smol_vocab_llama, None, **kwargs).generate(prompts, params)]
-    llm = make(smol_vocab_llama, default_model_dir, 3, **kwargs)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    prompts = [REPEAT]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want, _ = run(make(smol_vocab_llama, None, max_model_len=512), prompts, params)
+    got, stats = run(make(smol_vocab_llama, default_model_dir, 3, max_model_len=512), prompts, params)
+    assert got == want and stats.num_drafts > 0
 
 
+@pytest.mark.slow  # 18 s on the CPU; the tiny models drafting for themselves check the same in the default tier
 def test_the_default_model_drafting_for_itself_is_always_accepted_in_greedy(default_model_dir):
     prompts = [REPEAT, "Write a haiku about autumn."]
     params = SamplingParams(temperature=0.0, max_tokens=24)
