@@ -1,7 +1,12 @@
-r"""N-gram speculative decoding against none, one process, batch 1, on a prompt-lookup-friendly workload.
+r"""N-gram (or draft-model) speculative decoding against none, one process, batch 1, on a prompt-lookup-friendly
+workload.
 
     python -m bench.spec_decode [--passages 4] [--max-tokens 128] [--k 5] [--lookup-min 2] [--lookup-max 5] \
-        [--task repeat|free] [--device cpu] [--out FILE]
+        [--task repeat|free] [--draft PATH [--full-k]] [--device cpu] [--out FILE]
+
+--draft PATH speculates with that draft model instead of n-gram lookup (the default model's own directory is a
+valid acceptance check: drafting for itself, every greedy draft token must be accepted); --full-k turns the
+cost model off (every decoding step drafts k tokens), to time the verify rounds themselves.
 
 Each prompt asks the default model (SmolLM2-135M-Instruct, through its chat template) to repeat a passage of
 the Jargon File (bench/data/jargon-file-4.4.7.txt) with one word changed, so most of the output is text the
@@ -105,17 +110,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=5)
     parser.add_argument("--task", choices=("repeat", "free"), default="repeat", help="see prompt_of")
+    parser.add_argument("--draft", default=None, help="a draft model's directory: draft-model speculation")
+    parser.add_argument("--full-k", action="store_true", help="always draft k tokens (no cost model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="JSONL file (default: bench.naming's results path)")
     args = parser.parse_args(argv)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_min": args.lookup_min,
-        "prompt_lookup_max": args.lookup_max,
-    }
+    if args.draft is None:
+        name, spec = (
+            "ngram",
+            {
+                "method": "ngram",
+                "num_speculative_tokens": args.k,
+                "prompt_lookup_min": args.lookup_min,
+                "prompt_lookup_max": args.lookup_max,
+            },
+        )
+    else:
+        name, spec = "draft", {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
     common = dict(device=args.device, max_model_len=2048, cpu_kv_cache_bytes=256 << 20)
-    engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
+    engines = {"plain": LLM(**common), name: LLM(**common, speculative_config=spec)}
+    if args.full_k:
+        engines[name].engine.speculator.cost_ratio = 0.0
     tokenizer = engines["plain"].tokenizer
     prompts = [
         tokenizer.apply_chat_template(prompt_of(p, args.task), add_generation_prompt=True)
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     for llm in engines.values():  # warm-up: first-call costs are not timed
         llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
-    out_path = Path(args.out or results_path("spec-ngram" + ("-free" if args.task == "free" else ""), args.device))
+    out_path = Path(args.out or results_path(f"spec-{name}" + ("-free" if args.task == "free" else ""), args.device))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -136,18 +151,20 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m bench.spec_decode " + shlex.join(sys.argv[1:] if argv is None else argv),
         "speculative_config": spec,
         "task": args.task,
+        "full_k": args.full_k,
+        "cost_model_c": engines[name].engine.speculator.cost_ratio,
     }
-    runs: dict[str, list[dict]] = {"plain": [], "ngram": []}
+    runs: dict[str, list[dict]] = {"plain": [], name: []}
     lines = []
     for i, prompt in enumerate(prompts):
-        order = ("plain", "ngram") if i % 2 == 0 else ("ngram", "plain")
-        for name in order:
-            r = timed_run(engines[name], prompt, args.max_tokens)
-            runs[name].append(r)
+        order = ("plain", name) if i % 2 == 0 else (name, "plain")
+        for engine in order:
+            r = timed_run(engines[engine], prompt, args.max_tokens)
+            runs[engine].append(r)
             lines.append(
                 {
                     **meta,
-                    "engine": name,
+                    "engine": engine,
                     "passage": i,
                     "prompt_tokens": len(prompt),
                     "output_tokens": len(r["tokens"]),
@@ -157,27 +174,29 @@ def main(argv: list[str] | None = None) -> None:
                 }
             )
             print(json.dumps(lines[-1]), flush=True)
-        assert runs["plain"][-1]["tokens"] == runs["ngram"][-1]["tokens"], f"passage {i}: outputs differ"
+        assert runs["plain"][-1]["tokens"] == runs[name][-1]["tokens"], f"passage {i}: outputs differ"
 
-    def tok_s(name: str) -> float:
-        return sum(len(r["tokens"]) for r in runs[name]) / sum(r["seconds"] for r in runs[name])
+    def tok_s(engine: str) -> float:
+        return sum(len(r["tokens"]) for r in runs[engine]) / sum(r["seconds"] for r in runs[engine])
 
-    verified = [(k, m) for r in runs["ngram"] for k, m in r["accepted"]]
+    verified = [(k, m) for r in runs[name] for k, m in r["accepted"]]
     accepted = sum(m for _, m in verified)
     rejections = sum(m < k for k, m in verified)
     a = accepted / max(1, accepted + rejections)
     k_mean = statistics.mean(k for k, _ in verified) if verified else 0.0
     decode = statistics.mean(t for r in runs["plain"] for t in r["steps"])
-    verify = [t for r in runs["ngram"] for t, d in zip(r["steps"], r["drafts"]) if d]
+    verify = [t for r in runs[name] for t, d in zip(r["steps"], r["drafts"]) if d]
     c = (statistics.mean(verify) / decode - 1.0) / k_mean if verify else float("nan")
-    expected = (1 - a ** (k_mean + 1)) / ((1 - a) * (1 + c * k_mean)) if verify and a < 1 else float("nan")
-    steps_with_drafts = len(verify) / max(1, sum(len(r["steps"]) for r in runs["ngram"]))
+    # E(a, k) = (1 - a^(k+1)) / (1 - a), which is k + 1 at a = 1 (a draft model drafting for itself).
+    emitted = (1 - a ** (k_mean + 1)) / (1 - a) if a < 1 else k_mean + 1
+    expected = emitted / (1 + c * k_mean) if verify else float("nan")
+    steps_with_drafts = len(verify) / max(1, sum(len(r["steps"]) for r in runs[name]))
     summary = {
         **meta,
         "summary": True,
         "plain_output_tok_s": round(tok_s("plain"), 3),
-        "ngram_output_tok_s": round(tok_s("ngram"), 3),
-        "speedup": round(tok_s("ngram") / tok_s("plain"), 3),
+        f"{name}_output_tok_s": round(tok_s(name), 3),
+        "speedup": round(tok_s(name) / tok_s("plain"), 3),
         "acceptance_a": round(a, 4),
         "acceptance_rate_vllm": round(accepted / max(1, sum(k for k, _ in verified)), 4),
         "mean_draft_len_k": round(k_mean, 3),

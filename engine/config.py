@@ -254,7 +254,8 @@ class EngineConfig:
         '"prompt_lookup_min": A, "prompt_lookup_max": B} proposes the K tokens that followed the latest earlier '
         "match of the sequence's last B..A tokens, and the model verifies them in one forward (the output "
         'distribution is unchanged); "disable_by_batch_size": N (default 16) speculates only in steps with at '
-        'most N decoding sequences. A draft model ({"model": PATH, ...}) is refused: not built yet',
+        'most N decoding sequences. {"model": PATH, "num_speculative_tokens": K} instead drafts with a smaller model '
+        "of the same tokenizer and vocabulary (its own KV cache, in the same blocks as the model's)",
         parse=_speculative_flag,
         metavar="JSON",
         default_help="off",
@@ -302,11 +303,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if self.speculative_config.method == "draft_model":
-                raise ValueError(
-                    "speculative_config: the draft-model proposer is not built yet; use method ngram "
-                    f"(got a draft model {self.speculative_config.model!r})"
-                )
 
     @property
     def torch_dtype(self):

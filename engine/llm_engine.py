@@ -15,13 +15,15 @@ import torch
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
 from engine.faults import FaultInjector
-from engine.loader import ModelLoadError, check_model_files, resolve_model_dir
+from engine.loader import ModelLoadError, check_model_files, read_hf_config, resolve_model_dir
 from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from engine.spec_decode import Speculator, expand_rows
+from engine.spec_decode.draft_model import check_draft_vocabulary, num_parameters
+from engine.spec_decode.speculator import COST_RATIO
 from engine.stop_strings import StopMatcher
 from engine.structured import Grammars, StepMask
 
@@ -85,7 +87,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(tokenizer_dir, required=config.tokenizer is not None)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else _config_eos(model_dir)
         self.eos_token_ids = eos
-        self.runner = ModelRunner(config, model_dir, eos)
+        draft_dir = self._draft_dir(model_dir)
+        self.runner = ModelRunner(config, model_dir, eos, draft_dir)
         mc = self.runner.model.config
         self.max_model_len = self._resolve_max_model_len(mc)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -117,7 +120,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         swap_pool = None
         if config.preemption_mode == "swap":
-            swap_pool = SwapPool(self.runner.kv_cache.allocate_swap_space(config.swap_space))
+            swap_pool = SwapPool(self.runner.allocate_swap_space(config.swap_space))
             log.info("swap space: %d blocks (%.1f GiB of CPU memory)", swap_pool.num_blocks, config.swap_space)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -130,7 +133,12 @@ class LLMEngine:
         )
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, self.max_model_len)
+            cost_ratio = COST_RATIO
+            if self.runner.draft is not None:
+                # Each draft token costs a draft forward too: about the draft's share of the weights read per
+                # step (a decode step at small batches is bound by reading the weights).
+                cost_ratio += num_parameters(self.runner.draft.model) / num_parameters(self.runner.model)
+            self.speculator = Speculator(config.speculative_config, self.max_model_len, cost_ratio)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -142,6 +150,18 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()
+
+    def _draft_dir(self, model_dir: str) -> str | None:
+        """The draft model's directory (draft-model speculation), checked against the model's vocabulary."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft_dir = resolve_model_dir(spec.model, cache_dir=self.config.download_dir)
+        check_model_files(draft_dir)
+        check_draft_vocabulary(
+            draft_dir, read_hf_config(model_dir)["vocab_size"], self.tokenizer, _load_tokenizer(draft_dir)
+        )
+        return draft_dir
 
     @property
     def faults(self) -> FaultInjector | None:
@@ -424,11 +444,11 @@ class LLMEngine:
         sched = self.scheduler.schedule(proposed)
         if sched.is_empty:
             return None
-        # Order matters: a block swapped out may be reused as a swap-in or copy target this step.
-        kv_cache = self.runner.kv_cache
-        kv_cache.swap_blocks(sched.swap_out, to_cpu=True)
-        kv_cache.swap_blocks(sched.swap_in, to_cpu=False)
-        kv_cache.copy_blocks(sched.block_copies)
+        self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
+        draft_probs = None
+        if proposed and self.runner.draft is not None:  # the draft model fills the drafts it was given room for
+            speculating = [item for item in sched.scheduled if item.draft]
+            draft_probs = self.runner.draft.propose(speculating) if speculating else None
         sampling: list[tuple[Sequence, int]] = []
         for row, item in enumerate(sched.scheduled):
             if not item.samples:
@@ -451,6 +471,7 @@ class LLMEngine:
             mask=self._mask(rows) if constrained and not defer else None,
             defer_sampling=defer,
             drafts=drafts,
+            draft_probs=draft_probs,
         )
         plan = self.scheduler.launched(sched, sampling, drafts)
         stats = StepStats(

@@ -107,6 +107,24 @@ def _race(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Te
     return (x - log_e.to(torch.float32)).argmax(dim=-1)
 
 
+# Speculative decoding with a draft model reads two more random streams per (seed, output index) besides the
+# one a row samples from: the draft's own draw and the acceptance test's uniform. Offsetting the seed gives
+# streams unrelated to the sampler's (uniforms() mixes the seed before use).
+DRAFT_SALT = _int64(0x5EC0D1A7D2AF7001)
+ACCEPT_SALT = _int64(0x5EC0D1A7ACCE9702)
+
+
+@dataclass
+class DraftedRows:
+    """Sampling rows of a verify step that check a draft model's sampled token: `rows` (their batch
+    indices; random-sampled rows only: greedy rows keep the argmax, the longest-prefix rule), the draft
+    token each checks, and the draft's distribution q each was drawn from ([len(rows), vocab] float32)."""
+
+    rows: list[int]
+    tokens: list[int]
+    q: torch.Tensor
+
+
 @dataclass(slots=True)  # made for every sampled sequence every step: slots make it cheaper to build
 class SamplerRow:
     """One sequence being sampled this step."""
@@ -200,13 +218,22 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], mask: StepMask | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplerRow],
+        mask: StepMask | None = None,
+        drafted: DraftedRows | None = None,
+    ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, >= vocab_size] (any float dtype), each constrained
-        row (`mask`) among the tokens its grammar allows."""
+        row (`mask`) among the tokens its grammar allows. `drafted`: rows that check a sampled draft token
+        against its draft probabilities (speculative decoding with a draft model; see DraftedRows)."""
         step = self._upload(rows)
         x = self._process(logits, step)
         if mask is not None:
             apply_mask(x, mask)
+        # Taken before the sampling below filters x in place.
+        held = x[torch.tensor(drafted.rows, device=x.device)] if drafted is not None else None
         random = step.random
         if random is None:
             token_ids = x.argmax(dim=-1)
@@ -215,7 +242,61 @@ class Sampler:
         else:
             token_ids = x.argmax(dim=-1)
             token_ids[random.index] = self._sample(x[random.index], random)
+        if drafted is not None:
+            index = torch.tensor(drafted.rows, device=x.device)
+            token_ids[index] = self._accept(held, [rows[i] for i in drafted.rows], drafted)
         return self._logprobs(logits, rows, token_ids)
+
+    def propose(self, logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft model's tokens for `rows`, drawn from its logits processed exactly as the target's are,
+        and the distributions q they were drawn from ([B, vocab] float32, zero rows for greedy rows, whose
+        token is the argmax; None when every row is greedy). The draw uses its own random stream
+        (DRAFT_SALT), independent of the streams the target's verification reads."""
+        step = self._upload(rows)
+        x = self._process(logits, step)
+        token_ids = x.argmax(dim=-1)
+        random = step.random
+        if random is None:
+            return token_ids, None
+        picked = x if random.index is None else x[random.index]
+        self._filter(picked, random)
+        probs = picked.softmax(dim=-1)
+        drawn = _race(picked, random.seeds + DRAFT_SALT, random.steps)
+        if random.index is None:
+            return drawn, probs
+        q = torch.zeros_like(x)
+        q[random.index] = probs
+        token_ids[random.index] = drawn
+        return token_ids, q
+
+    def _accept(self, x: torch.Tensor, rows: list[SamplerRow], drafted: DraftedRows) -> torch.Tensor:
+        """The standard rule at sampled rows that check a draft token d drawn from q: with p the row's filtered
+        distribution (x: its processed logits), d is kept with probability min(1, p(d) / q(d)); otherwise the
+        token is drawn from norm(max(0, p - q)), which never holds d. Given the draft, each outcome then has
+        probability exactly p's (Leviathan et al. 2023, Chen et al. 2023)."""
+        random = self._upload(rows).random  # every drafted row is a random (non-greedy) one
+        self._filter(x, random)
+        p = x.softmax(dim=-1)
+        q = drafted.q
+        # A draft whose logits were not finite proposed nothing meaningful: its row rejects (q(d) = inf) and
+        # draws from p (q = 0), so a fault of the draft model costs speed, never the output's distribution.
+        broken = ~q.sum(dim=-1).isfinite()
+        q = torch.where(broken[:, None], 0.0, q)
+        d = torch.tensor(drafted.tokens, device=x.device)[:, None]
+        p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
+        q_d = torch.where(broken, float("inf"), q_d)
+        u = uniforms(random.seeds + ACCEPT_SALT, random.steps, 1)[:, 0]
+        keep = u * q_d.double() <= p_d.double()
+        residual = self.residual(p, q)
+        resampled = _race(residual.log(), random.seeds, random.steps)
+        return torch.where(keep, d.squeeze(1), resampled)
+
+    @staticmethod
+    def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """norm(max(0, p - q)) up to its scale (the race needs none); p itself in a row where p <= q
+        everywhere, which a rejection leaves only through rounding (then p == q, and d is always kept)."""
+        residual = (p - q).clamp_(min=0.0)
+        return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
         """Float32 logits after bias, min_tokens and penalties: what greedy rows take the argmax of."""
@@ -320,6 +401,16 @@ class Sampler:
         return torch.cat([self._sample_slice(x[i : i + n], random.slice(i, i + n)) for i in range(0, len(x), n)])
 
     def _sample_slice(self, x: torch.Tensor, random: _RandomRows) -> torch.Tensor:
+        return _race(self._filter_slice(x, random), random.seeds, random.steps)
+
+    def _filter(self, x: torch.Tensor, random: _RandomRows) -> torch.Tensor:
+        """Temperature and filters on the non-greedy rows' processed logits `x`, in place, slice by slice."""
+        n = max(1, _SAMPLE_SLICE // x.shape[-1])
+        for i in range(0, len(x), n):
+            self._filter_slice(x[i : i + n], random.slice(i, i + n))
+        return x
+
+    def _filter_slice(self, x: torch.Tensor, random: _RandomRows) -> torch.Tensor:
         x /= random.temperature[:, None]
         if random.sort_needed:
             x.masked_fill_(x < self._top_k_top_p_cutoff(x, random.top_k, random.top_p)[:, None], float("-inf"))
@@ -327,7 +418,7 @@ class Sampler:
             # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p), with no softmax; min_p = 0 gives -inf.
             floor = x.max(dim=-1, keepdim=True).values + random.min_p.log()[:, None]
             x.masked_fill_(x < floor, float("-inf"))
-        return _race(x, random.seeds, random.steps)
+        return x
 
     @staticmethod
     def _top_k_top_p_cutoff(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,7 @@ class Scheduler:
             self.num_preemptions["swap"] += 1
             return
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         self.num_preemptions["recompute"] += 1
         self.add(seq)
 
@@ -399,6 +399,8 @@ class Scheduler:
                 if seq.status is SequenceStatus.RUNNING:
                     # Its last token and the accepted draft tokens are computed; the rejected ones are not.
                     seq.num_computed_tokens -= len(draft) - num_accepted
+                    # The draft model's K/V hold its own draft tokens: valid up to the first rejected one.
+                    seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
                     self.block_manager.trim(seq, seq.num_computed_tokens)
                     self.block_manager.name_full_blocks(seq, seq.num_computed_tokens, num_accepted + 1)
             stepped.append(seq)

@@ -43,6 +43,9 @@ class Sequence:
     token_ids: list[int]  # prompt then output
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    # Draft-model speculation: leading tokens whose draft-model K/V are in the same blocks (engine/spec_decode/
+    # draft_model.py). The draft catches up lazily, so this lags num_computed_tokens; it never exceeds it.
+    num_draft_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks (prefix cache)
     swapped_blocks: list[int] = field(default_factory=list)  # CPU swap-pool blocks, while SWAPPED

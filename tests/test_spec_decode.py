@@ -1,6 +1,7 @@
 """Speculative decoding (engine/spec_decode/): the config, the n-gram proposer, and the engine with n-gram
 drafts, whose output must be the target model's own: token for token under greedy, in distribution under
-sampling (chi-square), with no KV block leaked and nothing unverified in the prefix cache."""
+sampling (chi-square), with no KV block leaked and nothing unverified in the prefix cache. A draft model's
+drafts: tests/test_spec_draft.py."""
 
 from __future__ import annotations
 
@@ -53,13 +54,11 @@ def test_bad_configs_fail_with_one_line(value, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_draft_model_config_is_parsed_then_refused_as_not_built():
+def test_draft_model_config_is_parsed():
     config = SpeculativeConfig.parse({"model": "/models/draft", "num_speculative_tokens": 4})
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/models/draft", 4)
-    with pytest.raises(ValueError, match="the draft-model proposer is not built yet"):
-        EngineConfig(
-            device="cpu", speculative_config=json.dumps({"model": "/models/draft", "num_speculative_tokens": 4})
-        )
+    flag = json.dumps({"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4})
+    assert EngineConfig(device="cpu", speculative_config=flag).speculative_config == config
 
 
 def test_ngram_config_defaults_follow_vllm():

@@ -48,18 +48,14 @@ class KVCache:
             self.caches.append((attn.k_cache, attn.v_cache))
         self.num_blocks = num_blocks
 
-    def allocate_swap_space(self, gib: float) -> int:
-        """CPU copies of the KV layout for swapped-out blocks (pinned when the cache is on a GPU)."""
-        num_blocks = int(gib * 2**30 // self.bytes_per_block)
-        if num_blocks < 1:
-            raise ValueError("swap_space is too small to hold one KV block")
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """CPU copies of the KV layout for `num_blocks` swapped-out blocks (pinned when the cache is on a GPU)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
         self.swap_caches = [
             (torch.zeros(shape, dtype=self.dtype, pin_memory=pin), torch.zeros(shape, dtype=self.dtype, pin_memory=pin))
             for _ in self.caches
         ]
-        return num_blocks
 
     def swap_blocks(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks (all layers) device -> CPU pool (to_cpu) or back, as (src, dst) pairs."""

@@ -20,11 +20,12 @@ from engine.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.runner.kv_cache import KVCache, blocks_that_fit_on_gpu
 from engine.runner.pooler import PooledRows, Pooler
 from engine.runner.step_inputs import attention_metadata, placeholders, step_inputs, upload
-from engine.sampler import Sampler, SamplerRow
+from engine.sampler import DraftedRows, Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
 from engine.spec_decode import expand_rows
+from engine.spec_decode.draft_model import DraftModel
 from engine.structured import StepMask
 
 log = logging.getLogger("pagoda.runner")
@@ -53,13 +54,16 @@ class LaunchedStep:
     rows: list[SamplerRow] | None = None  # sampling deferred: the rows as they were at launch
     mask: StepMask | None = None  # the grammar mask it was sampled under: which tokens it allowed
     pooled: PooledRows | None = None  # the vectors of embedding requests whose prompts completed
+    drafted: DraftedRows | None = None  # sampled rows checking a draft model's tokens (speculative decoding)
 
     def row_of(self) -> dict[int, int]:
         return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int]):
+    def __init__(
+        self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int], draft_dir: str | None = None
+    ):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -92,6 +96,9 @@ class ModelRunner:
         )
         if can_prepack(self.dtype, self.device):
             prepack_linears(self.model)
+        # Draft-model speculation: the draft's K/V live in the same blocks (engine/spec_decode/draft_model.py).
+        self.draft = DraftModel(config, draft_dir, eos_token_ids) if draft_dir is not None else None
+        self.kv_caches = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None else [])
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.faults: FaultInjector | None = None  # test-only (engine/faults.py); the engine sets it
@@ -108,16 +115,39 @@ class ModelRunner:
             num_blocks = blocks_that_fit_on_gpu(
                 self.device,
                 self.config.gpu_memory_utilization,
-                self.kv_cache.bytes_per_block,
+                self.bytes_per_block,
                 self._profile_forward,
                 lambda: self._graph_memory(max_model_len),
             )
         else:
-            num_blocks = self.config.cpu_kv_cache_bytes // self.kv_cache.bytes_per_block
+            num_blocks = self.config.cpu_kv_cache_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise RuntimeError("no memory is left for the KV cache; lower max_num_batched_tokens or raise the budget")
-        self.kv_cache.bind(num_blocks)
+        for kv_cache in self.kv_caches:
+            kv_cache.bind(num_blocks)
         return num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        """A block's K/V across every layer of the model, and of the draft model if there is one."""
+        return sum(kv_cache.bytes_per_block for kv_cache in self.kv_caches)
+
+    def allocate_swap_space(self, gib: float) -> int:
+        """CPU swap space of `gib` for whole blocks (both models' K/V); how many blocks it holds."""
+        num_blocks = int(gib * 2**30 // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("swap_space is too small to hold one KV block")
+        for kv_cache in self.kv_caches:
+            kv_cache.allocate_swap_space(num_blocks)
+        return num_blocks
+
+    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], copies) -> None:
+        """A step's block moves, in every cache: swap out, then in (a block swapped out may be reused as a
+        swap-in or copy target this step), then copy-on-write."""
+        for kv_cache in self.kv_caches:
+            kv_cache.swap_blocks(swap_out, to_cpu=True)
+            kv_cache.swap_blocks(swap_in, to_cpu=False)
+            kv_cache.copy_blocks(copies)
 
     def _graph_memory(self, max_model_len: int) -> int:
         """Bytes the CUDA graphs will hold (their memory pools and static buffers), found by capturing
@@ -224,6 +254,7 @@ class ModelRunner:
         mask: StepMask | None = None,
         defer_sampling: bool = False,
         drafts: list[list[int]] | None = None,
+        draft_probs: dict[int, torch.Tensor | None] | None = None,
     ) -> LaunchedStep:
         """Enqueue one forward over `scheduled` and the sampling of each (sequence, index into
         `scheduled` whose last token's logits it reads; children of n > 1 read their parent's row),
@@ -237,7 +268,8 @@ class ModelRunner:
 
         With `drafts` (speculative decoding: per sampling entry, the draft tokens its scheduled row ends
         with), entry i samples len(drafts[i]) + 1 rows, one per scored position, each with the history up to
-        it (engine/spec_decode/rejection.py); the step's sampling rows and `mask`'s are those rows."""
+        it (engine/spec_decode/rejection.py); the step's sampling rows and `mask`'s are those rows. `draft_probs`
+        (a draft model's drafts): per seq_id, the distributions its sampled draft tokens were drawn from."""
         inputs = step_inputs(scheduled)
         fill = None
         if previous is not None:
@@ -274,12 +306,13 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[upload(last, self.device)])
         if not sampling:
             return LaunchedStep([], pooled=pooled)
+        drafted = _drafted_rows(sampling, drafts, draft_probs) if draft_probs else None
         if drafts is not None:
             rows, sampling = self._verify_rows(sampling, drafts), expand_rows(sampling, drafts)
         else:
             rows = self._sampler_rows(sampling)
         # The rows are taken now: a deferred sampling runs after the scheduler has counted this step.
-        step = LaunchedStep(sampling, logits=logits, rows=rows, pooled=pooled)
+        step = LaunchedStep(sampling, logits=logits, rows=rows, pooled=pooled, drafted=drafted)
         if not defer_sampling:
             self.sample(step, mask)
         return step
@@ -321,7 +354,7 @@ class ModelRunner:
         step.mask = mask
         if self.faults is not None:
             self.faults.corrupt_logits(logits, [seq.request.request_id for seq, _ in step.sampling])
-        out = self.sampler(logits, rows, mask)
+        out = self.sampler(logits, rows, mask, step.drafted)
         step.token_ids = out.token_ids
         # A row whose logits are not all finite (NaN or inf: a numerical fault) sampled no meaningful token:
         # the host reads -1 there and the engine fails that sequence alone. The device keeps the sampled id,
@@ -365,3 +398,20 @@ class ModelRunner:
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
             per_row.append(TokenLogprobs(token, logprobs[i], top))
         return SampledTokens(token_ids, per_row)
+
+
+def _drafted_rows(
+    sampling: list[tuple[Sequence, int]], drafts: list[list[int]], draft_probs: dict[int, torch.Tensor | None]
+) -> DraftedRows | None:
+    """The verify rows that check a sampled draft model token: position i < k of an entry whose draft came
+    with its distributions q (a random-sampled request) checks draft token i against q's row i."""
+    rows, tokens, qs = [], [], []
+    offset = 0
+    for (seq, _), draft in zip(sampling, drafts):
+        q = draft_probs.get(seq.seq_id) if draft else None
+        if q is not None:
+            rows += range(offset, offset + len(draft))
+            tokens += draft
+            qs.append(q)
+        offset += len(draft) + 1
+    return DraftedRows(rows, tokens, torch.cat(qs)) if rows else None

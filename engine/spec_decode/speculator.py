@@ -1,4 +1,5 @@
-"""Which sequences speculate how far in a step, and the n-gram drafts they verify.
+"""Which sequences speculate how far in a step, and the n-gram drafts they verify (or, with a draft model,
+the room its drafts get: engine/spec_decode/draft_model.py fills it after scheduling).
 
 Cost model. With a per-token acceptance probability a and k draft tokens, a verify step emits
 E(a, k) = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023) and costs (1 + c k) plain
@@ -8,7 +9,8 @@ sequence speculates with the k' in 0..k that maximizes E(a, k') / (1 + c k'); k'
 its acceptance is too low to pay for the extra tokens. a is estimated per sequence from its recent drafts:
 accepted tokens / (accepted tokens + rejections), both decayed by 0.9 a draft, from a prior of a = 0.5.
 A sequence held at k' = 0 probes again with one draft token every 16 steps, so a text that turns
-repetitive later is caught. A step whose decoding sequences are more than disable_by_batch_size does not
+repetitive later is caught (unless no k' > 0 would pay even at a = 1, when c >= 1). A step whose
+decoding sequences are more than disable_by_batch_size does not
 speculate at all: a big batch is compute-bound already, and there c approaches 1.
 """
 
@@ -57,6 +59,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.cost_ratio = cost_ratio
         self.stats: dict[int, _Acceptance] = {}  # seq_id -> its recent drafts (decoding sequences only)
+        # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
+        # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
+        self._propose = self._ngram if config.method == "ngram" else self._placeholders
 
     def num_decoding(self, running: list[Sequence]) -> int:
         return sum(s.num_uncomputed_tokens == 1 for s in running)
@@ -83,10 +88,13 @@ class Speculator:
         self.stats = {s.seq_id: self.stats.get(s.seq_id) or _Acceptance() for s in decoding}
         stats = [self.stats[s.seq_id] for s in decoding]
         k = best_num_tokens(np.array([st.rate for st in stats]), self.config.num_speculative_tokens, self.cost_ratio)
+        # No probes when no draft length pays even if every token were accepted (c >= 1: a draft model about
+        # as costly as the model, such as the model drafting for itself).
+        probes = best_num_tokens(np.ones(1), self.config.num_speculative_tokens, self.cost_ratio)[0] > 0
         for i, st in enumerate(stats):
             if k[i] == 0:
                 st.idle += 1
-                if st.idle >= _PROBE_EVERY:
+                if st.idle >= _PROBE_EVERY and probes:
                     k[i], st.idle = 1, 0
         # Room left: the step emits up to k + 1 tokens, which must stay within max_tokens and the context.
         room = np.array(
@@ -103,14 +111,21 @@ class Speculator:
         chosen = np.flatnonzero(k > 0)
         if not len(chosen):
             return {}
-        seqs = [decoding[i] for i in chosen]
+        return self._propose([decoding[i] for i in chosen], k[chosen])
+
+    def _ngram(self, seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
         proposals = ngram_drafts(
             [s.token_array(0, len(s.token_ids)) for s in seqs],
-            k[chosen],
+            k,
             self.config.prompt_lookup_min,
             self.config.prompt_lookup_max,
         )
         return {s.seq_id: d.tolist() for s, d in zip(seqs, proposals) if len(d)}
+
+    @staticmethod
+    def _placeholders(seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
+        """k placeholder tokens per sequence, which the draft model replaces after scheduling."""
+        return {s.seq_id: [0] * int(n) for s, n in zip(seqs, k)}
 
     def observe(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `seq` was verified: `num_accepted` of its `num_draft` tokens were taken."""
