@@ -1,6 +1,7 @@
 """The triton backend: pagoda's own kernels (engine/kernels), the default on CUDA.
 
-Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v), the
+Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v, so an
+fp8 cache's rounding does not touch a prompt's attention to itself, as in the torch reference), the
 rest (chunks after cached context, decodes beside prompts) to `paged_prefill` through the block
 tables; decode batches to the split-KV `paged_decode`. On a Hopper GPU with flash-attn-4
 installed, `TritonFa4Backend` (flash_attn.py) sends prompt steps with a long query run there instead.
@@ -40,7 +41,18 @@ class TritonBackend(AttentionBackend):
         rope = {} if prep is None else dict(positions=prep.positions, cos=prep.rotary.cos, sin=prep.rotary.sin)
         if prep is not None and prep.q_norm is not None:
             rope.update(q_norm=prep.q_norm.weight, k_norm=prep.k_norm.weight, eps=prep.q_norm.eps)
-        self.store(q, k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, **rope)  # q, k in place
+        # q, k in place; the scales matter only to an fp8 cache
+        self.store(
+            q,
+            k,
+            v,
+            layer.k_cache,
+            layer.v_cache,
+            meta.slot_mapping,
+            **rope,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+        )
         return q, k
 
     def prefill(self, layer, q, k, v, meta: AttentionMetadata, out):
@@ -56,6 +68,8 @@ class TritonBackend(AttentionBackend):
             layer.scale,
             meta.max_query_len,
             out=out,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
 
     def decode(self, layer, q, meta, out):
@@ -69,4 +83,6 @@ class TritonBackend(AttentionBackend):
             layer.scale,
             out=out,
             num_splits=splits,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
