@@ -1,13 +1,12 @@
 """Perplexity of the default model (or another) on held-out bundled text with an fp8 KV cache against the
 model-dtype (auto) cache, on the CPU.
 
-A window scored in one forward would never read its cache: a fresh prompt attends to its own K/V (as
-`prefill_fresh` does on the GPU), and only the tokens after it read the stored K/V, so the fp8 cache would
-change nothing. Here each window (--window tokens) is fed in chunks of --chunk tokens, each chunk attending
-to the earlier ones through the cache, as decoding reads it: every variant is scored the same way, so the
-difference is the cache's storage only. The text is bench/data/jargon-file-4.4.7.txt, as bench/quant_ppl.py.
+Each window (--window tokens) is fed in chunks of --chunk tokens, each chunk attending to the earlier
+ones through the KV cache as decoding reads it (over an fp8 cache a prompt reads the cache too, so the
+chunking changes only how the work is split); every variant is scored the same way, so the difference
+is the cache's storage only. The text is bench/data/jargon-file-4.4.7.txt, as in bench/quant_ppl.py.
 
-    python -m bench.fp8kv_ppl [--tokens 4096] [--window 512] [--chunk 16] [--variants auto fp8 ...]
+    python -m bench.fp8kv_ppl [--tokens 4096] [--window 512] [--chunk 64] [--variants auto fp8 ...]
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of text scored")
     parser.add_argument("--window", type=int, default=512, help="tokens per window")
-    parser.add_argument("--chunk", type=int, default=16, help="tokens per forward within a window")
+    parser.add_argument("--chunk", type=int, default=64, help="tokens per forward within a window")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=None, help="JSONL path (default: bench-results naming)")
     args = parser.parse_args()

@@ -90,11 +90,14 @@ def prefill(
     # Sequences with nothing cached before this step (the common prompt) attend to this step's
     # own k/v, and those of one length share a single causal call; the others (chunks after
     # cached context, decodes in a mixed batch) gather their context from the cache one by one.
+    # Over an fp8 cache every sequence reads the cache: a token then sees the same (rounded) keys
+    # whether its prompt came whole, in chunks, after a prefix-cache hit or recomputed after preemption.
+    from_cache = kv_fp8.is_fp8(layer.k_cache.dtype)
     fresh: dict[int, list[int]] = {}
     for s in range(len(meta.seq_lens)) if seqs is None else seqs:
         seq_len = meta.seq_lens[s]
         start, end = meta.query_start[s], meta.query_start[s + 1]
-        if end - start == seq_len:
+        if end - start == seq_len and not from_cache:
             fresh.setdefault(seq_len, []).append(start)
             continue
         out[start:end] = _attend_cached(layer, q[start:end], s, seq_len, meta)
