@@ -232,7 +232,8 @@ def test_perplexity_within_one_percent_of_the_full_precision_cache(default_model
 
 def test_preemption_and_prefix_caching_do_not_change_fp8_outputs(tiny_model_dir):
     """With an fp8 cache, greedy tokens are the same with a big pool, with preemption by recompute and by
-    swap, with chunked prefill, and with prefix-cache hits: every prompt token reads the same rounded K/V."""
+    swap, with chunked prefill, and with prefix-cache hits (every prompt token reads the same rounded K/V),
+    and on the torch reference backend as on the cpu one."""
     from tests.conftest import ARCHS
 
     gen = torch.Generator().manual_seed(7)
@@ -250,6 +251,7 @@ def test_preemption_and_prefix_caching_do_not_change_fp8_outputs(tiny_model_dir)
             "swap": dict(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.01),
             "chunked": dict(max_num_batched_tokens=32),
             "no prefix caching": dict(enable_prefix_caching=False),
+            "torch backend": dict(attention_backend="torch"),  # the reference; the others run CpuFp8Backend
         }
         for mode, kwargs in modes.items():
             llm = fp8_llm(**kwargs)
