@@ -70,7 +70,7 @@ class CpuFp8Backend(CpuBackend):
     cache is written and attended by the torch reference (quantizing on the store, dequantizing the
     gathered K/V), since the C attention and store kernels read only float32 / bfloat16 caches."""
 
-    name = "cpu (torch attention over fp8 KV)"
+    name = "cpu+torch-fp8"  # C norms, rotary and SwiGLU; torch store and attention
 
     def plan(self, meta: AttentionMetadata) -> None:
         pass
