@@ -7,6 +7,8 @@
     python bench/gpu_check.py transformers               # W1 with transformers generate (the baseline)
     python bench/gpu_check.py roofline                   # decode step at batch 1/16/64 (ctx 1k), prefill 8k tokens
     python bench/gpu_check.py long-prompt                # TTFT of 4k-32k prompts: flash-attn-4 vs own kernels
+    python bench/gpu_check.py long-decode                # batch 64 decode at 8k contexts, bf16 vs fp8 KV cache
+    python bench/gpu_check.py workload w2 --kv-cache-dtype fp8   # any workload over an fp8 KV cache
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
 (prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set, else
@@ -51,7 +53,7 @@ def _commit() -> str:
 
 def emit(args, row: dict) -> None:
     row.update(
-        device_name=torch.cuda.get_device_name(),
+        device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",  # cpu: a dry run
         commit=_commit(),
         torch=torch.__version__,
         date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -707,6 +709,66 @@ def mode_long_prompt(args) -> None:
         torch.cuda.empty_cache()
 
 
+def mode_long_decode(args) -> None:
+    """Decode throughput of a batch of long contexts (Llama-3-8B shape; default 64 prompts of 8,000
+    tokens, 192 tokens out each, so contexts reach 8,192), once per KV-cache dtype (bf16 "auto", then
+    fp8), with the pool size in tokens of each. A bf16 pool may not hold the whole batch: the scheduler
+    then decodes fewer sequences at a time (and preempts), which is what the fp8 cache's capacity buys.
+    decode_tok_s counts the steps that carried no prompt tokens: their tokens over their wall time."""
+    from engine import SamplingParams
+
+    model = args.long_model or LLAMA_8B
+    batch, context, out = args.long_batch, args.long_context, args.long_output
+    for kv in args.long_kv:
+        llm = _llm(model, args.backend, args.eager, kv_cache_dtype=kv, max_model_len=context + out, max_num_seqs=batch)
+        engine = llm.engine
+        pool_tokens = engine.block_manager.num_blocks * engine.config.block_size
+        prompts = random_prompts(batch, context, engine.runner.vocab_size, 3)  # the same for every dtype
+        params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"long-{kv}-{i}", p, params)
+        decode_s, decode_tokens, decode_batches = 0.0, 0, []
+        preempted = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            stats = engine.last_step
+            preempted += stats.num_preempted
+            if stats.num_prefill_tokens == 0 and stats.num_generated_tokens > 0:
+                decode_s += wall
+                decode_tokens += stats.num_generated_tokens
+                decode_batches.append(stats.num_generated_tokens)
+        elapsed = time.perf_counter() - start
+        emit(
+            args,
+            {
+                "mode": "long_decode",
+                "kv_cache_dtype": kv,
+                "cache_dtype": str(engine.runner.kv_cache.dtype).removeprefix("torch."),
+                "pool_tokens": pool_tokens,
+                "batch": batch,
+                "prompt_tokens": context,
+                "output_tokens": batch * out,
+                "decode_steps": len(decode_batches),
+                "median_decode_batch": statistics.median(decode_batches) if decode_batches else 0,
+                "decode_tok_s": decode_tokens / decode_s if decode_s else None,
+                "output_tok_s_overall": batch * out / elapsed,
+                "elapsed_s": elapsed,
+                "preemptions": preempted,
+                "backend": args.backend,
+                "cuda_graphs": not args.eager,
+                "async_scheduling": ASYNC,
+            },
+        )
+        del llm, engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def mode_profile(args) -> None:
     """Where a step's time goes: W2 (or W1), per-step wall time, cProfile of the host work over
     steps 100-400 and a torch.profiler trace of steps 400-410 (kernel time by name)."""
@@ -788,6 +850,7 @@ def _engine_kw(args) -> dict:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("max_prefill_graph_tokens", args.max_prefill_graph_tokens),
             ("gpu_memory_utilization", args.gpu_memory_utilization),
+            ("kv_cache_dtype", args.kv_cache_dtype),
         )
         if v is not None
     }
@@ -969,6 +1032,7 @@ def main() -> None:
             "ttft",
             "gemms",
             "long-prompt",
+            "long-decode",
         ],
     )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
@@ -984,6 +1048,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None, help="workload modes: the engine's kv_cache_dtype")
+    parser.add_argument("--long-model", default=None, help="long-decode: HF directory (default Llama-3-8B shape)")
+    parser.add_argument("--long-batch", type=int, default=64, help="long-decode: prompts decoded together")
+    parser.add_argument("--long-context", type=int, default=8000, help="long-decode: tokens per prompt")
+    parser.add_argument("--long-output", type=int, default=192, help="long-decode: tokens out per prompt")
+    parser.add_argument("--long-kv", nargs="+", default=["auto", "fp8"], help="long-decode: KV dtypes, in order")
     parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")
@@ -1008,6 +1078,7 @@ def main() -> None:
         "roofline": mode_roofline,
         "profile": mode_profile,
         "long-prompt": mode_long_prompt,
+        "long-decode": mode_long_decode,
         "timeline": mode_timeline,
         "ttft": mode_ttft,
         "gemms": mode_gemms,

@@ -30,6 +30,8 @@ DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "flo
 BACKENDS = ("torch", "triton", "flash_attn", "cpu")
 # The quantization schemes --quantization names, spelled as vllm serve spells them (engine/quant).
 QUANTIZATIONS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
+# --kv-cache-dtype, spelled as vllm serve spells it, and the torch dtype of the cache (auto: the model's).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def knob(default: Any, help: str, **metadata: Any) -> Any:
@@ -211,6 +213,20 @@ class EngineConfig:
         "the server answers 503",
         default_help="no limit",
     )
+    kv_cache_dtype: str = knob(
+        "auto",
+        "the KV cache's storage: auto (the model's dtype) or fp8 / fp8_e4m3 (E4M3) / fp8_e5m2 (E5M2), one byte an "
+        "element, so the pool holds about twice the tokens; K and V are divided by a per-layer scale (1.0, the "
+        "checkpoint's kv_cache_scheme scales, or --calculate-kv-scales) when stored and multiplied back inside the "
+        "attention kernels. Backends: triton and torch; cpu keeps its C kernels for norms and rotary but attends "
+        "through torch (the C attention kernel reads no fp8); flash_attn is refused",
+        choices=tuple(KV_CACHE_DTYPES),
+    )
+    calculate_kv_scales: bool = knob(
+        False,
+        "with an fp8 KV cache: compute each layer's K and V scales from the first prompt step (amax / the fp8 "
+        "maximum) and keep them from then on, instead of 1.0 or the checkpoint's",
+    )
     swap_space: float = knob(4.0, "GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap")
     attention_backend: str = knob(
         "auto",
@@ -284,6 +300,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an fp8 kv_cache_dtype (fp8, fp8_e4m3 or fp8_e5m2)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.tensor_parallel_size != 1:
@@ -309,3 +329,11 @@ class EngineConfig:
         import torch
 
         return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def kv_torch_dtype(self):
+        """The KV cache's torch dtype: the model's (auto) or a float8 type."""
+        import torch
+
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return self.torch_dtype if name is None else getattr(torch, name)

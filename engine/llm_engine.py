@@ -104,7 +104,7 @@ class LLMEngine:
                 "lower max_model_len or give the cache more memory"
             )
         log.info(
-            "loaded %s (%s, %s on %s, %s attention): %d KV blocks of %d tokens = %d tokens in the cache, "
+            "loaded %s (%s, %s on %s, %s attention): %d KV blocks of %d tokens = %d tokens in the %s cache, "
             "max_model_len %d",
             model_dir,
             type(self.runner.model).__name__,
@@ -114,9 +114,14 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             capacity,
+            str(self.runner.kv_cache.dtype).removeprefix("torch."),
             self.max_model_len,
         )
         self.runner.capture_cuda_graphs(self.max_model_len)
+        if config.calculate_kv_scales:
+            # After the start-up forwards (dummy zeros) and the graph captures: the graphs read the scale
+            # tensors the calibration will overwrite in place.
+            self.runner.calibrate_kv_scales_on_next_prompt()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         swap_pool = None
         if config.preemption_mode == "swap":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -135,6 +136,21 @@ def load_model(
     return model.eval(), hf_config
 
 
+# A checkpoint's fp8 KV-cache scales (compressed-tensors' kv_cache_scheme, as llm-compressor writes them).
+_KV_SCALE = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _load_kv_scale(model: nn.Module, name: str, f) -> bool:
+    """Copy a layer's k_scale / v_scale tensor into its Attention's scale (used with an fp8 KV cache);
+    False when `name` is not one."""
+    match = _KV_SCALE.fullmatch(name)
+    if match is None:
+        return False
+    layer = model.attention_layers()[int(match[1])]
+    getattr(layer, f"{match[2]}_scale").copy_(f.get_tensor(name).float().reshape(1))
+    return True
+
+
 def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, scheme: QuantScheme | None) -> None:
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
@@ -155,6 +171,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, s
             try:
                 with safe_open(str(file), framework="pt", device=str(device)) as f:
                     for name in f.keys():
+                        if _load_kv_scale(model, name, f):
+                            loaded.add(name)
+                            continue
                         module, _, suffix = name.rpartition(".")
                         if module in marked and suffix != "bias":  # a bias loads into its (fused) nn.Linear
                             quantized.setdefault(module.removeprefix("model."), {})[suffix] = f.get_tensor(name)

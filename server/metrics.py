@@ -116,6 +116,9 @@ def cache_config_labels(engine: LLMEngine) -> dict[str, str]:
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.block_manager.num_blocks),
+        # The pool in tokens: an fp8 cache holds about twice the bf16 one's.
+        "kv_cache_size_tokens": str(engine.block_manager.num_blocks * config.block_size),
+        "calculate_kv_scales": str(config.calculate_kv_scales),
         "num_gpu_blocks_override": str(config.num_gpu_blocks_override),
         "num_cpu_blocks": str(swap_pool.num_blocks if swap_pool is not None else 0),
         "swap_space": str(config.swap_space),

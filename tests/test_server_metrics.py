@@ -144,6 +144,8 @@ def test_vllm_prefix_exports_vllm_series_that_add_up(vllm_server):
         "enable_prefix_caching": "True",
         "gpu_memory_utilization": "0.9",
         "num_gpu_blocks": "512",
+        "kv_cache_size_tokens": "8192",
+        "calculate_kv_scales": "False",
         "num_gpu_blocks_override": "512",
         "num_cpu_blocks": "0",
         "swap_space": "4.0",

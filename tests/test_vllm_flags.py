@@ -30,6 +30,10 @@ VLLM_COMMAND_LINES = [
     ("vllm serve TheBloke/Llama-2-7B-AWQ --quantization awq", dict(quantization="awq")),
     ("vllm serve meta-llama/Llama-3.1-8B-Instruct -q fp8", dict(quantization="fp8")),
     (
+        "vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8 --calculate-kv-scales",
+        dict(kv_cache_dtype="fp8", calculate_kv_scales=True),
+    ),
+    (
         "vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 8000 --dtype bfloat16 --max-model-len 4096 "
         "--gpu-memory-utilization 0.9 --served-model-name a b --api-key x --enable-prefix-caching --seed 0",
         dict(
@@ -143,7 +147,6 @@ def test_vllm_command_lines_parse_into_pagoda_configs(command_line, expected):
         ["--enable-lora"],
         ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
         ["--pipeline-parallel-size", "2"],
-        ["--kv-cache-dtype", "fp8"],
         ["--data-parallel-size", "2"],
         ["--disable-log-stats"],
         ["--tokenizer-mode", "auto"],

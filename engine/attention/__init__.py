@@ -29,9 +29,13 @@ def select_backend(
     head_dim: int = 128,
     fa4_prefill_min_tokens: int = 0,
     max_num_batched_tokens: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """The backend `name` (or, for `auto`, the best one here), after checking that it can run here."""
-    from engine import cpu_ops
+    """The backend `name` (or, for `auto`, the best one here), after checking that it can run here and
+    can read a KV cache of `kv_cache_dtype` (default: `dtype`)."""
+    from engine import cpu_ops, kv_fp8
+
+    fp8 = kv_cache_dtype is not None and kv_fp8.is_fp8(kv_cache_dtype)
 
     if name == "auto":
         name = "triton" if device.type == "cuda" else ("cpu" if cpu_ops.supports(dtype) else "torch")
@@ -46,23 +50,32 @@ def select_backend(
             raise ValueError(f"attention_backend cpu supports float32 and bfloat16, not {dtype}")
         if not cpu_ops.available():
             raise ValueError("attention_backend cpu needs a C compiler to build engine/csrc/cpu_ops.c (see the log)")
-        from engine.attention.cpu import CpuBackend
+        from engine.attention.cpu import CpuBackend, CpuFp8Backend
 
-        return CpuBackend()
+        return CpuFp8Backend() if fp8 else CpuBackend()
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         from engine.attention.flash_attn import TritonFa4Backend, fa4_prefill_applies
         from engine.attention.triton import TritonBackend
 
-        # A threshold above the step budget is never met.
-        if 0 < fa4_prefill_min_tokens <= max_num_batched_tokens and fa4_prefill_applies(device, dtype, head_dim):
+        # A threshold above the step budget is never met. flash-attn-4 is not given an fp8 cache to read.
+        if (
+            not fp8
+            and 0 < fa4_prefill_min_tokens <= max_num_batched_tokens
+            and fa4_prefill_applies(device, dtype, head_dim)
+        ):
             log.info(
                 "prompt steps with a prompt chunk of %d+ tokens attend through flash-attn-4", fa4_prefill_min_tokens
             )
             return TritonFa4Backend(device, fa4_prefill_min_tokens)
-        return TritonBackend(device)
+        return TritonBackend(device, kv_fp8=fp8)
     if name == "flash_attn":
+        if fp8:
+            raise ValueError(
+                "attention_backend flash_attn does not read an fp8 KV cache here; with kv_cache_dtype fp8 use "
+                "attention_backend triton (auto's choice on CUDA)"
+            )
         from engine.attention.flash_attn import FlashAttnBackend, flash_attn_module
 
         found = flash_attn_module()

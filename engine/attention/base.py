@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import kv_fp8
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.ops import TORCH_OPS, Ops
@@ -123,6 +124,12 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An fp8 cache's per-layer K and V scales (engine/kv_fp8.py): tensors the kernels read on the
+        # device, so that CUDA graphs captured before --calculate-kv-scales sets them see the values.
+        self.k_scale = torch.ones(1, dtype=torch.float32)
+        self.v_scale = torch.ones(1, dtype=torch.float32)
+        # Set by the runner with --calculate-kv-scales: the next prompt step sets the scales, then clears it.
+        self.calibrate_kv_scales = False
         if backend is None:
             from engine.attention.torch_ref import TorchBackend
 
@@ -146,6 +153,16 @@ class Attention(nn.Module):
             return self.split(self, q, k, v, meta, prep)
         backend = self.backend
         q, k = backend.write_kv(self, q, k, v, meta, prep)
+        if self.calibrate_kv_scales and not meta.decode_only:
+            self._calibrate(q, k, v, meta)
         if meta.decode_only:
             return backend.decode(self, q, meta, out)
         return backend.prefill(self, q, k, v, meta, out)
+
+    def _calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """--calculate-kv-scales: scales from this step's (prepared) k and v, in place; then the step's
+        K/V are stored again with them (the first store used the old ones). Only once."""
+        self.k_scale.copy_(kv_fp8.amax_scale(k, self.k_cache.dtype))
+        self.v_scale.copy_(kv_fp8.amax_scale(v, self.v_cache.dtype))
+        self.backend.write_kv(self, q, k, v, meta, None)  # q and k are prepared already
+        self.calibrate_kv_scales = False

@@ -7,7 +7,7 @@ import torch
 
 from engine import cpu_ops
 from engine.attention import torch_ref
-from engine.attention.base import AttentionBackend, AttentionMetadata, into
+from engine.attention.base import AttentionBackend, AttentionMetadata, QKPrep, into
 from engine.ops import cpu_ops_table
 
 # Sequences with at most this many new tokens take the C kernel (one loop per query, no matmul);
@@ -29,10 +29,7 @@ class CpuBackend(AttentionBackend):
         meta.plan = (torch.tensor(short, dtype=torch.int32), long)
 
     def write_kv(self, layer, q, k, v, meta, prep):
-        if prep is not None:
-            if prep.q_norm is not None:
-                q, k = prep.q_norm(q), prep.k_norm(k)
-            q, k = cpu_ops.apply_rotary(prep.positions, q, k, prep.rotary.cos, prep.rotary.sin)
+        q, k = _prepare(q, k, prep)
         cpu_ops.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         return q, k
 
@@ -57,3 +54,34 @@ class CpuBackend(AttentionBackend):
 
     def decode(self, layer, q, meta, out):
         return self.prefill(layer, q, None, None, meta, out)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, prep: QKPrep | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normed (Qwen3) and rotated by the C kernels."""
+    if prep is not None:
+        if prep.q_norm is not None:
+            q, k = prep.q_norm(q), prep.k_norm(k)
+        q, k = cpu_ops.apply_rotary(prep.positions, q, k, prep.rotary.cos, prep.rotary.sin)
+    return q, k
+
+
+class CpuFp8Backend(CpuBackend):
+    """The cpu backend over an fp8 KV cache: the C kernels still norm, rotate and run the MLP, but the
+    cache is written and attended by the torch reference (quantizing on the store, dequantizing the
+    gathered K/V), since the C attention and store kernels read only float32 / bfloat16 caches."""
+
+    name = "cpu+torch-fp8"  # C norms, rotary and SwiGLU; torch store and attention
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def write_kv(self, layer, q, k, v, meta, prep):
+        q, k = _prepare(q, k, prep)
+        torch_ref.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+        return q, k
+
+    def prefill(self, layer, q, k, v, meta, out):
+        return torch_ref.prefill(layer, q, k, v, meta, out=out)
+
+    def decode(self, layer, q, meta, out):
+        return into(out, torch_ref.decode(layer, q, meta))

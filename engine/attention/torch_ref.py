@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import kv_fp8
 from engine.attention.base import Attention, AttentionBackend, AttentionMetadata, into
 
 
@@ -14,7 +15,7 @@ class TorchBackend(AttentionBackend):
     def write_kv(self, layer, q, k, v, meta, prep):
         if prep is not None:
             q, k = prep.apply(q, k)
-        store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
         return q, k
 
     def prefill(self, layer, q, k, v, meta, out):
@@ -25,24 +26,45 @@ class TorchBackend(AttentionBackend):
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each new token's K/V row into its cache slot (no padding slots)."""
+    """Write each new token's K/V row into its cache slot (no padding slots); an fp8 cache takes them
+    divided by the scales (engine/kv_fp8.py)."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    if kv_fp8.is_fp8(k_cache.dtype):
+        k = kv_fp8.quantize(k, k_scale, k_cache.dtype)
+        v = kv_fp8.quantize(v, v_scale, v_cache.dtype)
+    kv_fp8.raw(k_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, kv_fp8.raw(k))
+    kv_fp8.raw(v_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, kv_fp8.raw(v))
 
 
-def _gather(layer: Attention, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[S, nb] block ids -> [S, KVH, nb * block_size, D] keys or values."""
+def _gather(
+    layer: Attention, cache: torch.Tensor, scale: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """[S, nb] block ids -> [S, KVH, nb * block_size, D] keys or values in `dtype` (an fp8 cache's
+    dequantized with `scale`)."""
     s, nb = block_tables.shape
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
+    rows = kv_fp8.raw(cache).view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
+    if kv_fp8.is_fp8(cache.dtype):
+        rows = kv_fp8.dequantize(rows.view(cache.dtype), scale, dtype)
     return rows.view(s, nb * cache.shape[1], layer.num_kv_heads, layer.head_dim).transpose(1, 2)
 
 
+def _keys_values(layer: Attention, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        _gather(layer, layer.k_cache, layer.k_scale, block_tables, dtype),
+        _gather(layer, layer.v_cache, layer.v_scale, block_tables, dtype),
+    )
+
+
 def decode(layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    keys = _gather(layer, layer.k_cache, meta.block_tables)
-    values = _gather(layer, layer.v_cache, meta.block_tables)
+    keys, values = _keys_values(layer, meta.block_tables, q.dtype)
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < meta.seq_lens_tensor[:, None])[:, None, None, :]
     # The G = H / KVH query heads of a KV head become G query rows against it: one plain
@@ -68,11 +90,14 @@ def prefill(
     # Sequences with nothing cached before this step (the common prompt) attend to this step's
     # own k/v, and those of one length share a single causal call; the others (chunks after
     # cached context, decodes in a mixed batch) gather their context from the cache one by one.
+    # Over an fp8 cache every sequence reads the cache: a token then sees the same (rounded) keys
+    # whether its prompt came whole, in chunks, after a prefix-cache hit or recomputed after preemption.
+    from_cache = kv_fp8.is_fp8(layer.k_cache.dtype)
     fresh: dict[int, list[int]] = {}
     for s in range(len(meta.seq_lens)) if seqs is None else seqs:
         seq_len = meta.seq_lens[s]
         start, end = meta.query_start[s], meta.query_start[s + 1]
-        if end - start == seq_len:
+        if end - start == seq_len and not from_cache:
             fresh.setdefault(seq_len, []).append(start)
             continue
         out[start:end] = _attend_cached(layer, q[start:end], s, seq_len, meta)
@@ -94,8 +119,7 @@ def _attend_cached(layer: Attention, qs: torch.Tensor, s: int, seq_len: int, met
     block_size = layer.k_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     table = meta.block_tables[s : s + 1, :num_blocks]
-    keys = _gather(layer, layer.k_cache, table)[:, :, :seq_len]
-    values = _gather(layer, layer.v_cache, table)[:, :, :seq_len]
+    keys, values = (x[:, :, :seq_len] for x in _keys_values(layer, table, qs.dtype))
     q_len = qs.shape[0]
     # Query i sits at position seq_len - q_len + i and sees keys up to it.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=qs.device)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv_fp8 import is_fp8
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -30,6 +32,16 @@ def _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOC
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     # int64: num_blocks * block stride can pass 2**31 on a large cache.
     return block.to(tl.int64) * stride_b + (pos % BLOCK_SIZE) * stride_s + kvh * stride_h
+
+
+@triton.jit
+def _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """(softmax scale, output scale): an fp8 cache's K scale multiplies every score, so it joins the
+    softmax scale; its V scale multiplies every output row, so it is applied once at the end. Both
+    read on the device (a CUDA graph sees scales set after its capture)."""
+    if KV_FP8:
+        return qk_scale * tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    return qk_scale, 1.0
 
 
 @triton.jit
@@ -57,6 +69,7 @@ def _attend_keys(
     BOUNDED: tl.constexpr,
     PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     """Fold keys lo..hi-1 into the running softmax state of the query rows q.
 
@@ -64,6 +77,8 @@ def _attend_keys(
     turn both off for the key tiles every row sees in full, which skips the masking work there.
     FOLD_SCALE applies the softmax scale to the row maxima and inside the exponent's
     multiply-add instead of to every score first, and accumulates P @ V inside the MMA.
+    KV_FP8: the cache holds fp8; its tiles are widened to q's dtype in registers (exact), and the caller
+    has folded the K scale into qk_scale and multiplies the output by the V scale (fp8_scales).
     """
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -75,6 +90,8 @@ def _attend_keys(
             load_ok = d_ok[None, :]
         offs = _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOCK_SIZE)
         k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if not FOLD_SCALE:
             scores = scores * qk_scale
@@ -96,6 +113,8 @@ def _attend_keys(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         if FOLD_SCALE:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         else:
@@ -113,6 +132,8 @@ def _prefill_kernel(
     bt_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -130,6 +151,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -160,6 +182,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row_ptr = bt_ptr + seq * stride_bt
+    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
     # Keys 0..context+first_q are visible to every row; whole tiles of them need no mask.
     full_end = (context + first_q + 1) // BLOCK_N * BLOCK_N
     # The last valid query of the tile bounds the key loop (causal early stop).
@@ -188,6 +211,7 @@ def _prefill_kernel(
         False,
         PRECISION,
         FOLD_SCALE,
+        KV_FP8,
     )
     acc, m_i, l_i = _attend_keys(
         acc,
@@ -213,20 +237,33 @@ def _prefill_kernel(
         True,
         PRECISION,
         FOLD_SCALE,
+        KV_FP8,
     )
     acc = acc / l_i[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
-    """Shape, dtype and stride checks; host-only, so they cost nothing under graph capture."""
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Shape, dtype and stride checks; host-only, so they cost nothing under graph capture. Returns
+    whether the cache is fp8 (then the scales must be given)."""
     assert q.dim() == 3 and k_cache.dim() == 4, (
         "q is [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]"
     )
-    assert q.dtype in _DTYPES and k_cache.dtype == v_cache.dtype == q.dtype, (
-        "q and caches must share one of fp16/bf16/fp32"
+    fp8 = is_fp8(k_cache.dtype)
+    assert q.dtype in _DTYPES and k_cache.dtype == v_cache.dtype and (fp8 or k_cache.dtype == q.dtype), (
+        "q must be fp16/bf16/fp32, the caches q's dtype or both one fp8 type"
     )
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), (
         "k_cache and v_cache must match in shape and strides"
     )
@@ -237,6 +274,7 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
     assert q.stride(2) == k_cache.stride(3) == out.stride(2) == 1, "head_dim must be the contiguous dimension"
     assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
+    return fp8
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -254,14 +292,17 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
     Sequence s owns q[query_start[s]:query_start[s+1]]; its cache holds seq_lens[s] tokens
-    including those new ones, so query i sits at position seq_lens[s] - q_len + i.
+    including those new ones, so query i sits at position seq_lens[s] - q_len + i. An fp8 cache is
+    read as stored * k_scale / v_scale (one-element float32 tensors).
     """
     out = torch.empty_like(q) if out is None else out
-    _check_inputs(q, k_cache, v_cache, out)
+    fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     if q.shape[0] == 0 or max_query_len == 0:
         return out
@@ -291,6 +332,9 @@ def paged_prefill(
         block_tables,
         query_start,
         seq_lens,
+        # None (a constexpr) for a 16/32-bit cache: the kernel compiles as it did before fp8 caches.
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -305,6 +349,7 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PRECISION=_precision(q.dtype),
+        KV_FP8=fp8,
         **tiles,
     )
     return out

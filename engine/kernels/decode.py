@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import _LOG2E, _attend_keys, _check_inputs, _precision
+from engine.kernels.attention import _LOG2E, _attend_keys, _check_inputs, _fp8_scales, _precision
 
 
 @triton.jit
@@ -27,6 +27,8 @@ def _decode_kernel(
     part_lse_ptr,
     bt_ptr,
     seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     stride_qs,
     stride_qh,
@@ -44,6 +46,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,6 +70,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
     acc, m_i, l_i = _attend_keys(
         acc,
         m_i,
@@ -90,10 +94,14 @@ def _decode_kernel(
         False,
         True,
         PRECISION,
+        False,
+        KV_FP8,
     )
     # An empty split (or a zero-length padding sequence) has l_i == 0: write zeros, not NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * v_scale  # a split's partial is a weighted mean of V rows: scaling each scales the merge
     store_ok = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         o_offs = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
@@ -172,15 +180,18 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [S, H, D], against keys 0..seq_lens[s]-1 -> [S, H, D].
 
     Split-KV (flash-decoding): program (s, kv head, split) runs all G query heads of the KV head
     over one chunk of keys; a reduce kernel merges the splits by their log-sum-exp. No host sync,
-    grid from shapes only, so the call can be captured in a CUDA graph.
+    grid from shapes only, so the call can be captured in a CUDA graph. An fp8 cache is read as
+    stored * k_scale / v_scale (one-element float32 tensors, read on the device).
     """
     out = torch.empty_like(q) if out is None else out
-    _check_inputs(q, k_cache, v_cache, out)
+    fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     num_seqs, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_seqs == 0:
@@ -203,6 +214,9 @@ def paged_decode(
         part_lse,
         block_tables,
         seq_lens,
+        # None (a constexpr) for a 16/32-bit cache: the kernel compiles as it did before fp8 caches.
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -221,6 +235,7 @@ def paged_decode(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
+        KV_FP8=fp8,
         num_warps=4,
         num_stages=2,
     )

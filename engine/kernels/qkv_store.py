@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv_fp8 import FP8_DTYPES
+
 
 @triton.jit
 def _halves(base_ptr, s_head, s_dim, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -58,6 +60,16 @@ def _prepare(x1, x2, w_ptr, eps, cos, sin, half, dtype: tl.constexpr, NORM: tl.c
 
 
 @triton.jit
+def _to_cache(x, scale_ptr, cache_dtype: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x in the cache's dtype; for an fp8 cache (FP8_MAX > 0) divided by the layer's scale first and
+    saturated to the format's range, since a plain cast turns an out-of-range value into NaN or inf."""
+    if FP8_MAX > 0:
+        x = x.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x.to(cache_dtype)
+
+
+@triton.jit
 def _qkv_store_kernel(
     pos_ptr,
     q_ptr,
@@ -70,6 +82,8 @@ def _qkv_store_kernel(
     kc_ptr,
     vc_ptr,
     slot_ptr,
+    ks_ptr,
+    vs_ptr,
     q_st,
     q_sh,
     q_sd,
@@ -98,6 +112,7 @@ def _qkv_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -152,13 +167,13 @@ def _qkv_store_kernel(
     tl.store(p2, k2, mask=mask)
     c1, c2, _ = _halves(kc_ptr + block * kc_sb + offset * kc_so, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     cache_dtype: tl.constexpr = kc_ptr.dtype.element_ty
-    tl.store(c1, k1.to(cache_dtype), mask=mask & valid)
-    tl.store(c2, k2.to(cache_dtype), mask=mask & valid)
+    tl.store(c1, _to_cache(k1, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+    tl.store(c2, _to_cache(k2, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
 
     p1, p2, mask = _halves(v_ptr + t * v_st, v_sh, v_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     c1, c2, _ = _halves(vc_ptr + block * vc_sb + offset * vc_so, vc_sh, vc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
-    tl.store(c1, tl.load(p1, mask=mask & valid).to(cache_dtype), mask=mask & valid)
-    tl.store(c2, tl.load(p2, mask=mask & valid).to(cache_dtype), mask=mask & valid)
+    tl.store(c1, _to_cache(tl.load(p1, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+    tl.store(c2, _to_cache(tl.load(p2, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
 
 
 def prepare_and_store(
@@ -174,6 +189,8 @@ def prepare_and_store(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """q [T, H, D], k and v [T, KVH, D] (any strides, e.g. views of a fused qkv output).
 
@@ -183,6 +200,8 @@ def prepare_and_store(
     q and k are rewritten in place; k (so prepared) and v are written into k_cache / v_cache
     [num_blocks, block_size, KVH, D] at the flat slots `slot_mapping` [T] (block * block_size +
     offset); tokens whose slot is negative store nothing (their q and k are still prepared).
+    An fp8 cache stores k / k_scale and v / v_scale (one-element float32 tensors, read on the device
+    so that a CUDA graph sees scales set after its capture), saturated to the fp8 range.
     """
     t, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -193,6 +212,8 @@ def prepare_and_store(
     if rotary:
         assert positions.dim() == 1 and positions.shape[0] >= t and cos.shape[1] == head_dim // 2
         assert cos.stride() == sin.stride() and cos.stride(1) == 1
+    fp8 = k_cache.dtype in FP8_DTYPES
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
     if t == 0:
         return
     half = head_dim // 2
@@ -210,6 +231,9 @@ def prepare_and_store(
         k_cache,
         v_cache,
         slot_mapping,
+        # None (a constexpr) for a 16-bit cache: the kernel compiles as it did before fp8 caches.
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -226,6 +250,7 @@ def prepare_and_store(
         BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(kv_heads),
         BLOCK_HALF=block_half,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
         num_warps=4 if block_hq * block_half >= 1024 else 1,
         # Without this the compiler narrows the float32 steps to native bf16/fp16 ops and fuses
         # a product with the sum into one fma, skipping the product's rounding.

@@ -13,6 +13,8 @@ The scheme comes from the config's `config_groups` (pagoda serves one scheme per
 - W8A8 INT8 (`int-quantized`): `weight` int8 [N, K], `weight_scale` [N, 1]; activations per token at run time.
 - W8A8 FP8 (`float-quantized`): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] (channel) or one
   value (tensor); activations per token at run time, or by the static `input_scale` beside it.
+- `kv_cache_scheme` fp8 per tensor: `self_attn.k_scale` / `self_attn.v_scale` per layer, read by the loader
+  into the attention layers' scales (an fp8 KV cache uses them; --kv-cache-dtype auto ignores them).
 """
 
 from __future__ import annotations
@@ -134,8 +136,14 @@ def from_config(qc: dict) -> QuantScheme:
     found = f"format={fmt}, weights {kind}{bits} {strategy} symmetric={w.get('symmetric')}"
     if a is not None:
         found += f", activations {a.get('type')}{a.get('num_bits')} {a.get('strategy')} dynamic={a.get('dynamic')}"
-    if qc.get("kv_cache_scheme"):
-        raise _unsupported(found + " and a quantized KV cache")
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        # Per-tensor fp8 K/V scales (self_attn.k_scale / v_scale) load into the attention layers and are
+        # used with --kv-cache-dtype fp8 (engine/loader.py); other KV schemes are not read.
+        if not (kv.get("type") == "float" and kv.get("num_bits") == 8 and kv.get("strategy", "tensor") == "tensor"):
+            raise _unsupported(
+                found + f", KV cache {kv.get('type')}{kv.get('num_bits')} {kv.get('strategy')} (only fp8 per tensor)"
+            )
     if a is None:
         if kind == "int" and bits in (4, 8) and strategy in ("group", "channel"):
             if fmt == "pack-quantized" or (bits == 8 and fmt in ("int-quantized", "naive-quantized")):

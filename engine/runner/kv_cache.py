@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import Attention
+from engine.kv_fp8 import raw
 
 log = logging.getLogger("pagoda.runner")
 
 
 @dataclass
 class KVCache:
-    """K and V of every attention layer, [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """K and V of every attention layer, [num_blocks, block_size, num_kv_heads, head_dim] each, in `dtype`:
+    the model's, or a float8 type (EngineConfig.kv_cache_dtype; one byte an element, so a block costs
+    half and the same memory holds twice the blocks). Block copies move bytes, whatever the dtype."""
 
     layers: list[Attention]
     block_size: int
@@ -64,6 +67,7 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs])
         dst = torch.tensor([d for _, d in pairs])
         for (k, v), (cpu_k, cpu_v) in zip(self.caches, self.swap_caches):
+            k, v, cpu_k, cpu_v = raw(k), raw(v), raw(cpu_k), raw(cpu_v)
             if to_cpu:
                 cpu_k.index_copy_(0, dst, k.index_select(0, src.to(self.device)).cpu())
                 cpu_v.index_copy_(0, dst, v.index_select(0, src.to(self.device)).cpu())
@@ -78,6 +82,7 @@ class KVCache:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.caches:
+            k_cache, v_cache = raw(k_cache), raw(v_cache)
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 

@@ -76,6 +76,7 @@ class ModelRunner:
             head_dim_of(read_hf_config(model_dir)),
             config.fa4_prefill_min_tokens,
             config.max_num_batched_tokens,
+            config.kv_torch_dtype,
         )
         start = time.perf_counter()
         what = "dummy weights" if config.load_format == "dummy" else f"the weights of {model_dir}"
@@ -92,7 +93,12 @@ class ModelRunner:
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
         self.pooler = Pooler(self.device)
         self.kv_cache = KVCache(
-            self.model.attention_layers(), config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            self.model.attention_layers(),
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.kv_torch_dtype,
+            self.device,
         )
         if can_prepack(self.dtype, self.device):
             prepack_linears(self.model)
@@ -242,6 +248,12 @@ class ModelRunner:
         max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
         if max_tokens >= 16:
             self.prefill_graphs = PrefillGraphs(self, max_tokens)
+
+    def calibrate_kv_scales_on_next_prompt(self) -> None:
+        """--calculate-kv-scales: every attention layer sets its K/V scales from the next prompt step."""
+        for attn in self.model.attention_layers():
+            attn.calibrate_kv_scales = True
+        log.info("fp8 KV cache: the K/V scales will be computed from the first prompt step, then kept")
 
     # ----- the step -----
 
