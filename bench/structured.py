@@ -2,6 +2,7 @@
 
     python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
     python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
+    python bench/structured.py run DIR --engine pagoda --grammar-inline   # the grammar work in the engine loop
     python bench/structured.py run DIR --engine vllm   [--plain]
     python bench/structured.py fills DIR                     # the host cost of a step's grammar work
     python bench/structured.py host DIR [--repeats N]        # CPU: host ms per step, grammar inline vs on its thread
@@ -21,8 +22,9 @@ tokenizer, against ~5 us without), a cost both engines would pay alike.
 `host` runs on the CPU (what the GPU run's host does, without a GPU): 256 constrained sequences of SCHEMA
 decoding together on a tiny Qwen3 (2 layers, hidden 64, dummy weights) with this tokenizer, async
 scheduling on (so each step's sampling waits for its mask, as on the GPU), with the grammar work in the
-engine loop (grammar_thread off) and on its thread (on), alternating, in one process. Per mode: host ms per
-step of the whole step, of the model (forward + LM head) and sampler, of the rest (`engine_host`, the
+engine loop (grammar_thread off), on its thread (on), and on its thread without the cut of the switch
+interval while a job is out (thread_5ms: the interpreter's default), alternating, in one process. Per
+mode: host ms per step of the whole step, of the model (forward + LM head) and sampler, of the rest (`engine_host`, the
 engine's own host work), of the grammar work and the loop's wait for it (`grammar_join`), and
 `tokens_to_mask`: the loop's time from a step's tokens read to the next step's mask filled (complete less
 collect), the host path a constrained GPU step waits on.
@@ -122,13 +124,13 @@ def workload():
     return ranged_workload(256, 100, 1024, 151936, 0)
 
 
-def run_pagoda(model: str, constrained: bool) -> dict:
+def run_pagoda(model: str, constrained: bool, grammar_thread: bool = True) -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
 
     prompts, outs = workload()
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096)
+    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096, grammar_thread=grammar_thread)
     load_s = time.perf_counter() - t0
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
     extra: dict = {}
@@ -155,6 +157,7 @@ def run_pagoda(model: str, constrained: bool) -> dict:
         extra["valid_json_prefixes"] = _prefixes_ok(llm, constraint, results)
     return dict(
         engine="pagoda",
+        grammar_thread=grammar_thread,
         xgrammar=version("xgrammar"),
         elapsed_s=elapsed,
         output_tokens=tokens,
@@ -333,6 +336,7 @@ def host_costs(model: str, repeats: int) -> list[dict]:
 
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
+    from engine.structured import GrammarThread
 
     model_dir = Path(model)
     if not (model_dir / "tokenizer.json").exists():
@@ -343,7 +347,9 @@ def host_costs(model: str, repeats: int) -> list[dict]:
     prompts = [[rng.randrange(QWEN_VOCAB) for _ in range(rng.randint(16, 32))] for _ in range(HOST_SEQS)]
     params = SamplingParams(temperature=0.0, max_tokens=HOST_OUTPUT, ignore_eos=True, constraint=constraint)
     llms = {}
-    for thread in (False, True):
+    # thread_5ms: the grammar thread without the cut of the switch interval (GrammarThread's docstring)
+    modes = {"inline": False, "thread": True, "thread_5ms": True}
+    for mode, thread in modes.items():
         llm = LLM(
             str(tiny),
             device="cpu",
@@ -356,7 +362,7 @@ def host_costs(model: str, repeats: int) -> list[dict]:
             max_num_batched_tokens=8192,
         )
         llm.generate(prompts[:8], params, use_tqdm=False)  # compiles the grammar, warms the paths
-        llms["thread" if thread else "inline"] = llm
+        llms[mode] = llm
     rows, outputs = [], {}
     for rep in range(repeats):
         for mode, llm in llms.items():
@@ -367,8 +373,15 @@ def host_costs(model: str, repeats: int) -> list[dict]:
                 timed_model = phases.setdefault("model", [0.0, 0])
                 setattr(engine.runner.model, name, _TimedCall(getattr(engine.runner.model, name), timed_model))
             engine.runner.sampler = _TimedCall(engine.runner.sampler, phases.setdefault("sampler", [0.0, 0]))
+            cut = GrammarThread._SWITCH_INTERVAL_S
+            if mode == "thread_5ms":
+                GrammarThread._SWITCH_INTERVAL_S = sys.getswitchinterval()
+            job_interval = GrammarThread._SWITCH_INTERVAL_S  # while a grammar job is out
             t0 = time.perf_counter()
-            results = llm.generate(prompts, params, use_tqdm=False)
+            try:
+                results = llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                GrammarThread._SWITCH_INTERVAL_S = cut
             elapsed = time.perf_counter() - t0
             for name in ("forward", "compute_logits"):  # the instance attributes go; the class's methods return
                 delattr(engine.runner.model, name)
@@ -388,6 +401,7 @@ def host_costs(model: str, repeats: int) -> list[dict]:
                 dict(
                     what="grammar_host",
                     mode=mode,
+                    job_switch_interval_ms=None if mode == "inline" else round(1e3 * job_interval, 3),
                     repeat=rep,
                     seqs=HOST_SEQS,
                     output_tokens_each=HOST_OUTPUT,
@@ -400,7 +414,7 @@ def host_costs(model: str, repeats: int) -> list[dict]:
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
-    same = outputs["inline"] == outputs["thread"]
+    same = outputs["inline"] == outputs["thread"] == outputs["thread_5ms"]
     for row in rows:
         row["outputs_equal_across_modes"] = same
     return rows
@@ -412,6 +426,7 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
+    parser.add_argument("--grammar-inline", action="store_true", help="pagoda: grammar_thread off")
     parser.add_argument("--repeats", type=int, default=3, help="host: runs of each mode, alternating")
     args = parser.parse_args()
     if args.what == "model":
@@ -426,8 +441,11 @@ def main() -> None:
             for row in host_costs(args.dir, args.repeats):
                 f.write(json.dumps(row) + "\n")
         return
-    run = run_pagoda if args.engine == "pagoda" else run_vllm
-    row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}
+    if args.engine == "pagoda":
+        result = run_pagoda(args.dir, not args.plain, grammar_thread=not args.grammar_inline)
+    else:
+        result = run_vllm(args.dir, not args.plain)
+    row = {"workload": "w2", "constrained": not args.plain, **result}
     print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
     with out.open("a") as f:
