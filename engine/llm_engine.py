@@ -359,7 +359,7 @@ class LLMEngine:
             self.in_flight = self._launch(done) if self._can_overlap(done) else None
         nxt = self.in_flight
         deferred = nxt if nxt is not None and nxt.launched.logits is not None else None
-        outputs += self._complete(done, deferred)
+        self._complete(done, outputs, deferred)
         if deferred is not None:
             # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The
             # forward after it is enqueued at once, so the device goes from this sampling straight into
@@ -482,24 +482,27 @@ class LLMEngine:
         rows = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
         return self._grammars.fill(rows)
 
-    def _complete(self, step: _Step, deferred: _Step | None = None) -> list[RequestOutput]:
-        """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed.
-        `deferred`, the step whose sampling waits for these tokens, gets its grammar mask (deferred.mask)."""
+    def _complete(self, step: _Step, outputs: list[RequestOutput], deferred: _Step | None = None) -> None:
+        """Read a launched step's tokens and hand them to the scheduler; the outputs of the requests they changed
+        go to `outputs` (there before the grammar work's error, if it raises, is: a request they finished is
+        reported). `deferred`, the step whose sampling waits for these tokens, gets its mask (deferred.mask)."""
         results = self.runner.collect(step.launched)
         failed = self._fail_nonfinite(step.launched, results.token_ids)
         mask = step.launched.mask
         refused = mask.refused(results.token_ids) if mask is not None else set()
         if mask is None and deferred is None:
-            return self._take_tokens(step, results, refused, failed)
+            outputs += self._take_tokens(step, results, refused, failed)
+            return
         # The grammar work touches only matchers, which the scheduler and the outputs never read: it runs
         # on its thread (when there is one) while the loop takes the tokens.
         work = functools.partial(self._grammar_work, step.launched, results.token_ids, refused, deferred)
         if self._grammar_thread is None:
             work()
-            return self._take_tokens(step, results, refused, failed)
+            outputs += self._take_tokens(step, results, refused, failed)
+            return
         job = self._grammar_thread.start(work)
         try:
-            return self._take_tokens(step, results, refused, failed)
+            outputs += self._take_tokens(step, results, refused, failed)
         finally:
             self._grammar_thread.join(job)  # also when taking the tokens raised: no job outlives its step
 

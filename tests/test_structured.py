@@ -345,3 +345,28 @@ def test_grammar_threads_restore_the_switch_interval_after_the_last_job():
     release.set()
     first.join(a)
     assert sys.getswitchinterval() == DEFAULT_SWITCH_INTERVAL
+
+
+def test_a_request_finished_by_the_step_whose_grammar_work_fails_is_reported(random_model_dir):
+    """The grammar thread raises while the loop takes the tokens that finish a request: that request's final
+    output still comes back (finish_reason "length"); the one still running fails with the step."""
+    llm = make_llm(random_model_dir, async_scheduling=True, grammar_thread=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, constraint=json_constraint(PERSON))
+    engine.faults = FaultInjector.parse("grammar:victim")
+    engine.faults.rules[0].skip = 5  # the grammar work after the victim's 6th and last token
+    engine.add_request("victim", "abc", params)
+    engine.add_request("plain", "xyz", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    finished: dict = {}
+    try:
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        engine.faults = None
+    assert set(finished) == {"victim", "plain"}
+    victim = finished["victim"]
+    assert victim.error is None and victim.outputs[0].finish_reason == "length"
+    assert len(victim.outputs[0].token_ids) == 6
+    assert "failed (InjectedFault)" in finished["plain"].error
