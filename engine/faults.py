@@ -91,7 +91,8 @@ class FaultInjector:
             logits[row] = float("nan")
 
     def before_grammar(self, request_ids: list[str]) -> None:
-        if self._hit("grammar", request_ids):
+        """Raise if a grammar rule fires for a request of the step (once a step: n > 1 sequences share an id)."""
+        if self._hit("grammar", list(dict.fromkeys(request_ids))):
             raise InjectedFault("injected fault: the grammar work failed")
 
     def detokenizer_fails(self, request_id: str) -> bool:

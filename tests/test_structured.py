@@ -18,6 +18,7 @@ import torch
 
 from engine import LLM, InvalidParameter, SamplingParams
 from engine.faults import FaultInjector
+from engine.llm_engine import GRAMMAR_THREAD_MIN_ROWS
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import Constraint
 from engine.structured import Grammars, GrammarThread, apply_mask
@@ -277,11 +278,12 @@ def test_grammar_thread_samples_what_the_inline_path_samples(random_model_dir, a
     """The grammar work on its thread (the default with CUDA) and in the engine loop give the same tokens, constrained
     rows beside unconstrained ones, with and without the deferred sampling of async scheduling."""
     constraint = json_constraint(PERSON)
+    # 16 constrained rows: GRAMMAR_THREAD_MIN_ROWS, fewer stay in the loop.
     params = [
         SamplingParams(temperature=0.8, seed=200 + i, max_tokens=40, constraint=constraint if i % 3 else None)
-        for i in range(6)
+        for i in range(GRAMMAR_THREAD_MIN_ROWS * 3 // 2)
     ]
-    prompts = [f"row {i} " * 4 for i in range(6)]
+    prompts = [f"row {i} " * 4 for i in range(len(params))]
     outputs = {}
     for thread in (False, True):
         llm = make_llm(random_model_dir, async_scheduling=async_scheduling, grammar_thread=thread)
@@ -302,7 +304,10 @@ def test_a_failing_grammar_thread_fails_its_step_not_the_engine(random_model_dir
     llm = make_llm(random_model_dir, async_scheduling=True, grammar_thread=True)
     engine = llm.engine
     constraint = json_constraint(PERSON)
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, constraint=constraint)
+    # n sequences: enough constrained rows for the thread (GRAMMAR_THREAD_MIN_ROWS)
+    params = SamplingParams(
+        n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, constraint=constraint
+    )
     engine.faults = FaultInjector.parse("grammar:victim")
     engine.faults.rules[0].skip = 3  # in the middle of the output, with a deferred sampling in flight
     finished: dict = {}
@@ -323,11 +328,13 @@ def test_a_failing_grammar_thread_fails_its_step_not_the_engine(random_model_dir
     assert set(finished) == {"victim", "plain"}
     for out in finished.values():  # a failed step fails every request it held
         assert "failed (InjectedFault)" in out.error
-        assert out.outputs[0].finish_reason == "error"
-    assert 3 <= len(finished["victim"].outputs[0].token_ids) < 30
+        assert {o.finish_reason for o in out.outputs} == {"error"}
+    assert all(3 <= len(o.token_ids) < 30 for o in finished["victim"].outputs)
     assert sys.getswitchinterval() == DEFAULT_SWITCH_INTERVAL
-    after = llm.generate(["again"], params, use_tqdm=False)[0].outputs[0]
-    assert after.finish_reason == "length" and prefix_ok(llm, constraint, after.token_ids)
+    again = SamplingParams(n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=5, max_tokens=30, constraint=constraint)
+    after = llm.generate(["again"], again, use_tqdm=False)[0].outputs
+    assert len(after) == GRAMMAR_THREAD_MIN_ROWS
+    assert all(o.finish_reason in ("stop", "length") and prefix_ok(llm, constraint, o.token_ids) for o in after)
     assert engine.consecutive_step_failures == 0
 
 
@@ -352,7 +359,10 @@ def test_a_request_finished_by_the_step_whose_grammar_work_fails_is_reported(ran
     output still comes back (finish_reason "length"); the one still running fails with the step."""
     llm = make_llm(random_model_dir, async_scheduling=True, grammar_thread=True)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, constraint=json_constraint(PERSON))
+    constraint = json_constraint(PERSON)
+    params = SamplingParams(
+        n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=4, max_tokens=6, ignore_eos=True, constraint=constraint
+    )
     engine.faults = FaultInjector.parse("grammar:victim")
     engine.faults.rules[0].skip = 5  # the grammar work after the victim's 6th and last token
     engine.add_request("victim", "abc", params)
@@ -367,6 +377,6 @@ def test_a_request_finished_by_the_step_whose_grammar_work_fails_is_reported(ran
         engine.faults = None
     assert set(finished) == {"victim", "plain"}
     victim = finished["victim"]
-    assert victim.error is None and victim.outputs[0].finish_reason == "length"
-    assert len(victim.outputs[0].token_ids) == 6
+    assert victim.error is None and len(victim.outputs) == GRAMMAR_THREAD_MIN_ROWS
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in victim.outputs)
     assert "failed (InjectedFault)" in finished["plain"].error
