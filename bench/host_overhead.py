@@ -124,10 +124,10 @@ class StepTimer:
             self.current = None
             return step
 
-        def timed_complete(step, *args):
+        def timed_complete(step):
             self.current = record = self._by_step.pop(id(step))
             t0 = time.perf_counter()
-            outputs = complete(step, *args)
+            outputs = complete(step)
             record["complete"] = time.perf_counter() - t0
             self.current = None
             batched, prefill, generated = step.stats[:3]

@@ -2,10 +2,8 @@
 
     python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
     python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
-    python bench/structured.py run DIR --engine pagoda --grammar-inline   # the grammar work in the engine loop
     python bench/structured.py run DIR --engine vllm   [--plain]
     python bench/structured.py fills DIR                     # the host cost of a step's grammar work
-    python bench/structured.py host DIR [--repeats N]        # CPU: host ms per step, grammar inline vs on its thread
 
 W2 as everywhere (256 requests, prompt and output lengths U[100, 1024], numpy seed 0, dummy weights,
 greedy, ignore_eos), with a tokenizer: grammars are compiled against a vocabulary, and no model hub
@@ -18,18 +16,6 @@ whole output (dummy weights write whatever the mask leaves them). Both engines u
 constraining a request once its grammar has terminated (ignore_eos runs on past the end). It has no
 string maxLength: xgrammar checks such a string's tokens one by one (~340 us a row per step on this
 tokenizer, against ~5 us without), a cost both engines would pay alike.
-
-`host` runs on the CPU (what the GPU run's host does, without a GPU): 256 constrained sequences of SCHEMA
-decoding together on a tiny Qwen3 (2 layers, hidden 64, dummy weights) with this tokenizer, async
-scheduling on (so each step's sampling waits for its mask, as on the GPU), with the grammar work in the
-engine loop (grammar_thread off), on its thread (on), and on its thread without the cut of the switch
-interval while a job is out (thread_5ms: the interpreter's default), alternating, in one process. Per
-mode: host ms per step of the whole step, of the model (forward + LM head) and sampler, of the rest (`engine_host`, the
-engine's own host work), of the grammar work and the loop's wait for it (`grammar_join`), and
-`tokens_to_mask`: the loop's time from a step's tokens read to the next step's mask filled (complete less
-collect), the host path a constrained GPU step waits on. `thread_cpu_ms_per_step` has the CPU time of the thread that
-ran each phase (the worker's for the grammar work on its thread): on this shared 2-core machine the wall
-times move with its load, the CPU times much less.
 
 Reported per run: output tok/s, and for pagoda the grammar compile time and the host time per step
 of each phase of the engine's step (`host_ms_per_step`: collect includes the wait for the device; the
@@ -126,13 +112,13 @@ def workload():
     return ranged_workload(256, 100, 1024, 151936, 0)
 
 
-def run_pagoda(model: str, constrained: bool, grammar_thread: bool = True) -> dict:
+def run_pagoda(model: str, constrained: bool) -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
 
     prompts, outs = workload()
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096, grammar_thread=grammar_thread)
+    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096)
     load_s = time.perf_counter() - t0
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
     extra: dict = {}
@@ -153,13 +139,12 @@ def run_pagoda(model: str, constrained: bool, grammar_thread: bool = True) -> di
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     steps = phases.pop("step")
-    extra.update(steps=steps[1], host_ms_per_step={k: round(1e3 * c[0] / steps[1], 3) for k, c in phases.items()})
+    extra.update(steps=steps[1], host_ms_per_step={k: round(1e3 * t / steps[1], 3) for k, (t, _) in phases.items()})
     extra["host_ms_per_step"]["step"] = round(1e3 * steps[0] / steps[1], 3)
     if constrained:
         extra["valid_json_prefixes"] = _prefixes_ok(llm, constraint, results)
     return dict(
         engine="pagoda",
-        grammar_thread=grammar_thread,
         xgrammar=version("xgrammar"),
         elapsed_s=elapsed,
         output_tokens=tokens,
@@ -170,8 +155,7 @@ def run_pagoda(model: str, constrained: bool, grammar_thread: bool = True) -> di
 
 
 def _time_phases(engine) -> dict[str, list[float]]:
-    """Wrap the engine's step phases in host timers: {phase: [seconds, calls, CPU seconds of the calling
-    thread]}, filled as it runs.
+    """Wrap the engine's step phases in host timers: {phase: [seconds, calls]}, filled as it runs.
 
     collect includes the wait for the device (the step's tokens); grammar_fill and grammar_accept are
     the masks filled and the matchers advanced."""
@@ -179,16 +163,15 @@ def _time_phases(engine) -> dict[str, list[float]]:
 
     def timed(owner, name: str, phase: str) -> None:
         inner = getattr(owner, name)
-        cell = totals.setdefault(phase, [0.0, 0, 0.0])
+        cell = totals.setdefault(phase, [0.0, 0])
 
         def wrapper(*args, **kwargs):
-            start, cpu = time.perf_counter(), time.thread_time()
+            start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 cell[0] += time.perf_counter() - start
                 cell[1] += 1
-                cell[2] += time.thread_time() - cpu
 
         setattr(owner, name, wrapper)
 
@@ -200,8 +183,6 @@ def _time_phases(engine) -> dict[str, list[float]]:
     timed(engine.runner, "sample", "sample")
     timed(engine, "_mask", "grammar_fill")
     timed(engine, "_advance_matchers", "grammar_accept")
-    if engine._grammar_thread is not None:
-        timed(engine._grammar_thread, "join", "grammar_join")  # the loop's wait for the grammar thread
     return totals
 
 
@@ -295,148 +276,12 @@ def fill_costs(model: str) -> dict:
     return row
 
 
-HOST_SEQS = 256
-HOST_OUTPUT = 48  # tokens per sequence: every step but the prompts' is a decode step of all 256
-
-
-def write_tiny(model: Path) -> Path:
-    """A tiny Qwen3 beside the tokenizer in `model` (the forward small, the vocabulary Qwen's)."""
-    import shutil
-
-    tiny = model / "tiny"
-    tiny.mkdir(exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model / name, tiny / name)
-    config = json.loads((model / "config.json").read_text())
-    config.update(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-    )
-    config.update(head_dim=32, torch_dtype="float32", max_position_embeddings=4096)
-    (tiny / "config.json").write_text(json.dumps(config, indent=1))
-    return tiny
-
-
-class _TimedCall:
-    """A callable attribute (the runner's sampler) wrapped in a host timer."""
-
-    def __init__(self, inner, cell: list[float]) -> None:
-        self.inner, self.cell = inner, cell
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.cell[0] += time.perf_counter() - start
-            self.cell[1] += 1
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def host_costs(model: str, repeats: int) -> list[dict]:
-    """Host ms per step on the CPU, the grammar work inline and on its thread, alternating (see the module doc)."""
-    import torch
-
-    from engine import LLM, SamplingParams
-    from engine.sampling_params import Constraint
-    from engine.structured import GrammarThread
-
-    model_dir = Path(model)
-    if not (model_dir / "tokenizer.json").exists():
-        write_model(model_dir)
-    tiny = write_tiny(model_dir)
-    constraint = Constraint("json", json.dumps(SCHEMA))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(QWEN_VOCAB) for _ in range(rng.randint(16, 32))] for _ in range(HOST_SEQS)]
-    params = SamplingParams(temperature=0.0, max_tokens=HOST_OUTPUT, ignore_eos=True, constraint=constraint)
-    llms = {}
-    # thread_5ms: the grammar thread without the cut of the switch interval (GrammarThread's docstring)
-    modes = {"inline": False, "thread": True, "thread_5ms": True}
-    for mode, thread in modes.items():
-        llm = LLM(
-            str(tiny),
-            device="cpu",
-            load_format="dummy",
-            dtype="float32",
-            async_scheduling=True,
-            grammar_thread=thread,
-            max_model_len=512,
-            max_num_seqs=HOST_SEQS,
-            max_num_batched_tokens=8192,
-        )
-        llm.generate(prompts[:8], params, use_tqdm=False)  # compiles the grammar, warms the paths
-        llms[mode] = llm
-    rows, outputs = [], {}
-    for rep in range(repeats):
-        for mode, llm in llms.items():
-            engine = llm.engine
-            engine.block_manager.reset_prefix_cache()
-            phases = _time_phases(engine)
-            for name in ("forward", "compute_logits"):
-                timed_model = phases.setdefault("model", [0.0, 0, 0.0])
-                setattr(engine.runner.model, name, _TimedCall(getattr(engine.runner.model, name), timed_model))
-            engine.runner.sampler = _TimedCall(engine.runner.sampler, phases.setdefault("sampler", [0.0, 0, 0.0]))
-            cut = GrammarThread._SWITCH_INTERVAL_S
-            if mode == "thread_5ms":
-                GrammarThread._SWITCH_INTERVAL_S = sys.getswitchinterval()
-            job_interval = GrammarThread._SWITCH_INTERVAL_S  # while a grammar job is out
-            t0 = time.perf_counter()
-            try:
-                results = llm.generate(prompts, params, use_tqdm=False)
-            finally:
-                GrammarThread._SWITCH_INTERVAL_S = cut
-            elapsed = time.perf_counter() - t0
-            for name in ("forward", "compute_logits"):  # the instance attributes go; the class's methods return
-                delattr(engine.runner.model, name)
-            engine.runner.sampler = engine.runner.sampler.inner
-            del engine.step, engine._complete, engine._launch, engine._mask, engine._advance_matchers
-            del engine.runner.collect, engine.runner.sample, engine.scheduler.update
-            if engine._grammar_thread is not None:
-                del engine._grammar_thread.join
-            outputs[mode] = [r.outputs[0].token_ids for r in results]
-            steps = phases.pop("step")
-            per_step = {k: round(1e3 * c[0] / steps[1], 3) for k, c in phases.items()}
-            # CPU time of the thread that ran each phase: what it costs that thread on a machine with a
-            # core free for each (this one's are shared, and the wall times move with its load).
-            cpu = {k: round(1e3 * c[2] / steps[1], 3) for k, c in phases.items() if k not in ("model", "sampler")}
-            cpu["tokens_to_mask"] = round(cpu["complete"] - cpu["collect"], 3)
-            per_step["step"] = round(1e3 * steps[0] / steps[1], 3)
-            per_step["engine_host"] = round(per_step["step"] - per_step["model"] - per_step["sampler"], 3)
-            # From the tokens read to the next step's mask in hand: the loop's own host path between them.
-            per_step["tokens_to_mask"] = round(per_step["complete"] - per_step["collect"], 3)
-            rows.append(
-                dict(
-                    what="grammar_host",
-                    mode=mode,
-                    job_switch_interval_ms=None if mode == "inline" else round(1e3 * job_interval, 3),
-                    repeat=rep,
-                    seqs=HOST_SEQS,
-                    output_tokens_each=HOST_OUTPUT,
-                    steps=steps[1],
-                    elapsed_s=round(elapsed, 3),
-                    host_ms_per_step=per_step,
-                    thread_cpu_ms_per_step=cpu,
-                    cpus=os.cpu_count(),
-                    torch_threads=torch.get_num_threads(),
-                    xgrammar=version("xgrammar"),
-                )
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    same = outputs["inline"] == outputs["thread"] == outputs["thread_5ms"]
-    for row in rows:
-        row["outputs_equal_across_modes"] = same
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["model", "run", "fills", "host"])
+    parser.add_argument("what", choices=["model", "run", "fills"])
     parser.add_argument("dir")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
-    parser.add_argument("--grammar-inline", action="store_true", help="pagoda: grammar_thread off")
-    parser.add_argument("--repeats", type=int, default=3, help="host: runs of each mode, alternating")
     args = parser.parse_args()
     if args.what == "model":
         write_model(Path(args.dir))
@@ -444,17 +289,8 @@ def main() -> None:
     if args.what == "fills":
         print(json.dumps({"what": "fill_costs", **fill_costs(args.dir)}), flush=True)
         return
-    if args.what == "host":
-        out = Path(os.environ.get("OUT", "/tmp")) / "grammar_host.jsonl"
-        with out.open("a") as f:
-            for row in host_costs(args.dir, args.repeats):
-                f.write(json.dumps(row) + "\n")
-        return
-    if args.engine == "pagoda":
-        result = run_pagoda(args.dir, not args.plain, grammar_thread=not args.grammar_inline)
-    else:
-        result = run_vllm(args.dir, not args.plain)
-    row = {"workload": "w2", "constrained": not args.plain, **result}
+    run = run_pagoda if args.engine == "pagoda" else run_vllm
+    row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}
     print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
     with out.open("a") as f:

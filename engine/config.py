@@ -257,13 +257,6 @@ class EngineConfig:
         "CPU the same cores do both and nothing overlaps",
         default_help="on with CUDA, off on the CPU",
     )
-    grammar_thread: bool | None = knob(
-        None,
-        "structured outputs: advance a step's grammar matchers and fill the next step's token bitmask on a "
-        "thread of their own while the engine loop hands the step's tokens to the scheduler (off: in the loop); "
-        "it pays where a core is free for it, as beside a GPU",
-        default_help="on with CUDA, off on the CPU",
-    )
     pooling_type: str = knob(
         "last",
         "how embedding requests (/v1/embeddings, LLM.embed) pool the prompt's final hidden states: last (the "
@@ -293,8 +286,6 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
-        if self.grammar_thread is None:
-            self.grammar_thread = self.device.startswith("cuda")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

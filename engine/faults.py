@@ -7,10 +7,8 @@ PAGODA_INJECT_FAULTS once, at start-up (a server under test inherits it), or a t
 
 - KIND is where the fault strikes: `step` (a RuntimeError raised by the forward of a step that
   holds a matching request), `oom` (torch.OutOfMemoryError, the same way), `nan` (NaN logits for
-  a matching request's rows; the sampling of the others is untouched), `detokenize` (the
-  detokenizer of a matching request's sequence raises on its next token) or `grammar` (an
-  InjectedFault raised by the grammar work, matchers and masks, after a step that holds a
-  matching request; on the grammar thread when it runs there).
+  a matching request's rows; the sampling of the others is untouched) or `detokenize` (the
+  detokenizer of a matching request's sequence raises on its next token).
 - MATCH picks the requests: those whose id contains it (the server's engine ids begin with the
   client's X-Request-Id), or `*` for every request.
 - TIMES is how often the rule fires, 1 by default, or `always`.
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 ENV_VAR = "PAGODA_INJECT_FAULTS"
-KINDS = ("step", "oom", "nan", "detokenize", "grammar")
+KINDS = ("step", "oom", "nan", "detokenize")
 
 
 class InjectedFault(RuntimeError):
@@ -89,11 +87,6 @@ class FaultInjector:
         """Fill the logits rows of the requests a nan rule fires for with NaN."""
         for row in self._hit("nan", request_ids):
             logits[row] = float("nan")
-
-    def before_grammar(self, request_ids: list[str]) -> None:
-        """Raise if a grammar rule fires for a request of the step (once a step: n > 1 sequences share an id)."""
-        if self._hit("grammar", list(dict.fromkeys(request_ids))):
-            raise InjectedFault("injected fault: the grammar work failed")
 
     def detokenizer_fails(self, request_id: str) -> bool:
         return bool(self._hit("detokenize", [request_id]))

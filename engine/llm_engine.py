@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import random
@@ -18,7 +17,7 @@ from engine.config import EngineConfig
 from engine.faults import FaultInjector
 from engine.loader import ModelLoadError, check_model_files, read_hf_config, resolve_model_dir
 from engine.pooling_params import PoolingParams
-from engine.runner import LaunchedStep, ModelRunner, SampledTokens
+from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
@@ -26,18 +25,13 @@ from engine.spec_decode import Speculator, expand_rows
 from engine.spec_decode.draft_model import check_draft_vocabulary, num_parameters
 from engine.spec_decode.speculator import COST_RATIO
 from engine.stop_strings import StopMatcher
-from engine.structured import Grammars, GrammarThread, StepMask
+from engine.structured import Grammars, StepMask
 
 log = logging.getLogger("pagoda.engine")
 
 # Steps that fail one after another before the engine gives up (EngineFailedError): one failed step
 # fails its requests and the engine goes on; a fault that outlives them (a broken device) is fatal.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-# Below this many constrained rows a step's grammar work (~8 us a row on the H100 host: fill and advance)
-# costs less than a round trip to the grammar thread (~50 us for an empty job on the 2-core development
-# machine, loaded): it stays in the loop.
-GRAMMAR_THREAD_MIN_ROWS = 16
 
 
 class EngineFailedError(RuntimeError):
@@ -74,7 +68,6 @@ class _Step:
     plan: LaunchedPlan
     launched: LaunchedStep
     stats: StepStats  # what is known at launch; the occupancy is filled in when it completes
-    mask: StepMask | None = None  # sampling deferred: the grammar mask filled for it once its inputs were read
 
 
 class LLMEngine:
@@ -159,7 +152,6 @@ class LLMEngine:
         self.prelaunched: _Step | None = None
         self._grammars: Grammars | None = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
-        self._grammar_thread = GrammarThread() if config.grammar_thread else None
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()
@@ -387,16 +379,15 @@ class LLMEngine:
             self.in_flight, self.prelaunched = self.prelaunched, None
         else:
             self.in_flight = self._launch(done) if self._can_overlap(done) else None
+        outputs += self._complete(done)
         nxt = self.in_flight
-        deferred = nxt if nxt is not None and nxt.launched.logits is not None else None
-        self._complete(done, outputs, deferred)
-        if deferred is not None:
+        if nxt is not None and nxt.launched.logits is not None:
             # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The
             # forward after it is enqueued at once, so the device goes from this sampling straight into
             # it instead of waiting for the next call to schedule it.
-            self.runner.sample(deferred.launched, deferred.mask)
-            if self._can_overlap(deferred):
-                self.prelaunched = self._launch(deferred)
+            self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
+            if self._can_overlap(nxt):
+                self.prelaunched = self._launch(nxt)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """After a step raised: fail every request with a running sequence (the failed step and any step
@@ -513,34 +504,11 @@ class LLMEngine:
         rows = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
         return self._grammars.fill(rows)
 
-    def _complete(self, step: _Step, outputs: list[RequestOutput], deferred: _Step | None = None) -> None:
-        """Read a launched step's tokens and hand them to the scheduler; the outputs of the requests they changed
-        go to `outputs` (there before the grammar work's error, if it raises, is: a request they finished is
-        reported). `deferred`, the step whose sampling waits for these tokens, gets its mask (deferred.mask)."""
+    def _complete(self, step: _Step) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""
         results = self.runner.collect(step.launched)
         failed = self._fail_nonfinite(step.launched, results.token_ids)
-        mask = step.launched.mask
-        refused = mask.refused(results.token_ids) if mask is not None else set()
-        if mask is None and deferred is None:
-            outputs += self._take_tokens(step, results, refused, failed)
-            return
-        # The grammar work touches only matchers, which the scheduler and the outputs never read: it runs
-        # on its thread (when there is one) while the loop takes the tokens.
-        work = functools.partial(self._grammar_work, step.launched, results.token_ids, refused, deferred)
-        if self._grammar_thread is None or mask is None or len(mask.rows) < GRAMMAR_THREAD_MIN_ROWS:
-            work()
-            outputs += self._take_tokens(step, results, refused, failed)
-            return
-        job = self._grammar_thread.start(work)
-        try:
-            outputs += self._take_tokens(step, results, refused, failed)
-        finally:
-            self._grammar_thread.join(job)  # also when taking the tokens raised: no job outlives its step
-
-    def _take_tokens(
-        self, step: _Step, results: SampledTokens, refused: set[int], failed: list[Request]
-    ) -> list[RequestOutput]:
-        """_complete's update of the scheduler by a step's tokens, and the outputs of the requests they changed."""
+        refused = self._advance_matchers(step.launched, results.token_ids)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
         if step.plan.drafts is not None:
             self._count_speculation(step.plan, step.stats)
@@ -589,23 +557,14 @@ class LLMEngine:
         stats.num_generated_tokens += stats.num_accepted_tokens
         stats.num_accepted_tokens_per_pos = per_pos
 
-    def _grammar_work(
-        self, launched: LaunchedStep, token_ids: list[int], refused: set[int], deferred: _Step | None
-    ) -> None:
-        """A step's grammar work once its tokens are read: advance its matchers, then fill the mask of the
-        deferred step's sampling. It may run on the grammar thread: it touches only matchers."""
-        if self._faults is not None:
-            self._faults.before_grammar([seq.request.request_id for seq, _ in launched.sampling])
-        if launched.mask is not None:
-            self._advance_matchers(launched, token_ids, refused)
-        if deferred is not None:
-            deferred.mask = self._mask(deferred.launched.sampling)
-
-    def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int], refused: set[int]) -> None:
-        """Advance the matchers of a step's constrained rows by their tokens, but for the `refused` rows
-        (their token was not allowed: the grammar and min_tokens both banned every one), which the
+    def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int]) -> set[int]:
+        """Advance the matchers of a step's constrained rows by their tokens; the rows whose token their
+        grammar refused (none was allowed: the grammar and min_tokens both banned every one), which the
         scheduler ends there. A matcher that took a stop token has terminated and is dropped."""
         mask = launched.mask
+        if mask is None:
+            return set()
+        refused = mask.refused(token_ids)
         rows = [row for row in mask.rows if row not in refused and launched.sampling[row][0].matcher is not None]
         seqs = [launched.sampling[row][0] for row in rows]
         tokens = [token_ids[row] for row in rows]
@@ -613,6 +572,7 @@ class LLMEngine:
         for seq, token in zip(seqs, tokens):
             if token in self.eos_token_ids:
                 seq.matcher = None
+        return refused
 
     def _finish_pooled(self, launched: LaunchedStep) -> list[Request]:
         """Finish the embedding requests whose prompts completed in a step, each with its vector."""

@@ -18,10 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,52 +122,6 @@ class Grammars:
         bitmask = torch.empty((len(rows), self._width), dtype=torch.int32, pin_memory=self._pin)
         self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
         return StepMask(bitmask, [row for row, _ in rows])
-
-
-class GrammarThread:
-    """One thread beside the engine loop for a step's grammar work (matchers advanced by the tokens just
-    read, the next step's mask filled), so that the loop hands those tokens to the scheduler meanwhile.
-
-    xgrammar's C++ runs without the GIL, but a thread waiting for the GIL takes it from a thread running
-    Python only after the interpreter's switch interval (5 ms by default, longer than the whole overlap):
-    while a job is out, the interval is cut to _SWITCH_INTERVAL_S so that the worker's few Python lines
-    between its C++ calls run promptly, and restored when the last job out (of any engine) is joined."""
-
-    _SWITCH_INTERVAL_S = 1e-4
-    _lock = threading.Lock()
-    _jobs_out = 0  # of every engine in the process: the interval is the process's
-    _saved_interval = 0.0
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-step")
-
-    def start(self, work: Callable[[], None]) -> Future:
-        cls = GrammarThread
-        with cls._lock:
-            if cls._jobs_out == 0:
-                cls._saved_interval = sys.getswitchinterval()
-                sys.setswitchinterval(cls._SWITCH_INTERVAL_S)
-            cls._jobs_out += 1
-        try:
-            return self._pool.submit(work)
-        except BaseException:
-            self._restore()
-            raise
-
-    def join(self, job: Future) -> None:
-        """Wait for a started job; its exception, if it raised, is raised here."""
-        try:
-            job.result()
-        finally:
-            self._restore()
-
-    @staticmethod
-    def _restore() -> None:
-        cls = GrammarThread
-        with cls._lock:
-            cls._jobs_out -= 1
-            if cls._jobs_out == 0:
-                sys.setswitchinterval(cls._saved_interval)
 
 
 def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import threading
 
 import jsonschema
 import pytest
 import torch
 
 from engine import LLM, InvalidParameter, SamplingParams
-from engine.faults import FaultInjector
-from engine.llm_engine import GRAMMAR_THREAD_MIN_ROWS
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import Constraint
-from engine.structured import Grammars, GrammarThread, apply_mask
+from engine.structured import Grammars, apply_mask
 from engine.tokenizer import Tokenizer
 from tests.conftest import KV_BYTES, TINY
 
@@ -34,8 +30,6 @@ PERSON = {
     },
     "required": ["name", "age", "tags"],
 }
-
-DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()  # the engine cuts it only while a grammar job is out
 
 
 def json_constraint(schema: dict) -> Constraint:
@@ -271,112 +265,3 @@ def test_ignore_eos_runs_on_unconstrained_past_the_grammars_end(random_llm):
     # Greedy under "[ab]": one letter, then only the stop token is allowed.
     assert random_llm.tokenizer.decode(out.token_ids[:1]) in ("a", "b") and out.token_ids[1] == eos
     assert set(out.token_ids[2:]) - {eos}
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_grammar_thread_samples_what_the_inline_path_samples(random_model_dir, async_scheduling):
-    """The grammar work on its thread (the default with CUDA) and in the engine loop give the same tokens, constrained
-    rows beside unconstrained ones, with and without the deferred sampling of async scheduling."""
-    constraint = json_constraint(PERSON)
-    # 16 constrained rows: GRAMMAR_THREAD_MIN_ROWS, fewer stay in the loop.
-    params = [
-        SamplingParams(temperature=0.8, seed=200 + i, max_tokens=40, constraint=constraint if i % 3 else None)
-        for i in range(GRAMMAR_THREAD_MIN_ROWS * 3 // 2)
-    ]
-    prompts = [f"row {i} " * 4 for i in range(len(params))]
-    outputs = {}
-    for thread in (False, True):
-        llm = make_llm(random_model_dir, async_scheduling=async_scheduling, grammar_thread=thread)
-        outputs[thread] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.engine.step()  # the empty step after the last finish
-        assert llm.engine.in_flight is None and llm.engine.prelaunched is None
-    assert any(t.name.startswith("pagoda-grammar-step") for t in threading.enumerate())  # the work ran there
-    assert sys.getswitchinterval() == DEFAULT_SWITCH_INTERVAL  # restored after each step's job
-    assert outputs[True] == outputs[False]
-    for token_ids, sp in zip(outputs[True], params):
-        if sp.constraint is not None:
-            assert prefix_ok(llm, constraint, token_ids)
-
-
-def test_a_failing_grammar_thread_fails_its_step_not_the_engine(random_model_dir):
-    """An error raised by the grammar work on its thread fails the step's requests like a failed forward
-    (finish_reason "error"), without a hang, and the engine serves the next constrained request."""
-    llm = make_llm(random_model_dir, async_scheduling=True, grammar_thread=True)
-    engine = llm.engine
-    constraint = json_constraint(PERSON)
-    # n sequences: enough constrained rows for the thread (GRAMMAR_THREAD_MIN_ROWS)
-    params = SamplingParams(
-        n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, constraint=constraint
-    )
-    engine.faults = FaultInjector.parse("grammar:victim")
-    engine.faults.rules[0].skip = 3  # in the middle of the output, with a deferred sampling in flight
-    finished: dict = {}
-
-    def drive() -> None:
-        engine.add_request("victim", "abc", params)
-        engine.add_request("plain", "xyz", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-        for _ in range(200):
-            if not engine.has_unfinished_requests():
-                break
-            finished.update((out.request_id, out) for out in engine.step() if out.finished)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    driver.join(timeout=120)
-    engine.faults = None
-    assert not driver.is_alive(), "the engine hung on the failed grammar work"
-    assert set(finished) == {"victim", "plain"}
-    for out in finished.values():  # a failed step fails every request it held
-        assert "failed (InjectedFault)" in out.error
-        assert {o.finish_reason for o in out.outputs} == {"error"}
-    assert all(3 <= len(o.token_ids) < 30 for o in finished["victim"].outputs)
-    assert sys.getswitchinterval() == DEFAULT_SWITCH_INTERVAL
-    again = SamplingParams(n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=5, max_tokens=30, constraint=constraint)
-    after = llm.generate(["again"], again, use_tqdm=False)[0].outputs
-    assert len(after) == GRAMMAR_THREAD_MIN_ROWS
-    assert all(o.finish_reason in ("stop", "length") and prefix_ok(llm, constraint, o.token_ids) for o in after)
-    assert engine.consecutive_step_failures == 0
-
-
-def test_grammar_threads_restore_the_switch_interval_after_the_last_job():
-    """The switch interval is cut while any engine's grammar job is out and restored once the last is joined,
-    also when a job raised (its error reaches the joiner)."""
-    first, second = GrammarThread(), GrammarThread()
-    release = threading.Event()
-    a = first.start(release.wait)
-    b = second.start(lambda: 1 / 0)
-    assert sys.getswitchinterval() < DEFAULT_SWITCH_INTERVAL
-    with pytest.raises(ZeroDivisionError):
-        second.join(b)
-    assert sys.getswitchinterval() < DEFAULT_SWITCH_INTERVAL  # the first job is still out
-    release.set()
-    first.join(a)
-    assert sys.getswitchinterval() == DEFAULT_SWITCH_INTERVAL
-
-
-def test_a_request_finished_by_the_step_whose_grammar_work_fails_is_reported(random_model_dir):
-    """The grammar thread raises while the loop takes the tokens that finish a request: that request's final
-    output still comes back (finish_reason "length"); the one still running fails with the step."""
-    llm = make_llm(random_model_dir, async_scheduling=True, grammar_thread=True)
-    engine = llm.engine
-    constraint = json_constraint(PERSON)
-    params = SamplingParams(
-        n=GRAMMAR_THREAD_MIN_ROWS, temperature=0.8, seed=4, max_tokens=6, ignore_eos=True, constraint=constraint
-    )
-    engine.faults = FaultInjector.parse("grammar:victim")
-    engine.faults.rules[0].skip = 5  # the grammar work after the victim's 6th and last token
-    engine.add_request("victim", "abc", params)
-    engine.add_request("plain", "xyz", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    finished: dict = {}
-    try:
-        for _ in range(100):
-            if not engine.has_unfinished_requests():
-                break
-            finished.update((out.request_id, out) for out in engine.step() if out.finished)
-    finally:
-        engine.faults = None
-    assert set(finished) == {"victim", "plain"}
-    victim = finished["victim"]
-    assert victim.error is None and len(victim.outputs) == GRAMMAR_THREAD_MIN_ROWS
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in victim.outputs)
-    assert "failed (InjectedFault)" in finished["plain"].error
