@@ -51,7 +51,10 @@ for step in "$@"; do
              python3 bench/gpu_check.py workload $w --backend triton --kv-cache-dtype $kv 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done; done ;;
     # Batch 64 decode at 8k contexts, Llama-3-8B shape: bf16 vs fp8 KV cache, tok/s and pool size in tokens.
-    long) python3 bench/gpu_check.py long-decode --backend triton 2>&1 | grep -E "RESULT|Error" | cut -c1-600 ;;
+    # One process per dtype: an engine's memory is not all returned to the device when it is deleted.
+    long) for kv in auto fp8; do
+            python3 bench/gpu_check.py long-decode --backend triton --long-kv $kv 2>&1 | grep -E "RESULT|Error" | cut -c1-600
+          done ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
