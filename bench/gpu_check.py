@@ -694,7 +694,14 @@ def mode_quant_decode(args) -> None:
     import gc
 
     hbm, _ = measure_peaks()
+    # bf16's step times, for vs_bf16: from this call, or from an earlier one at this commit in --out (one
+    # process per kind, as bench/gpu_check.sh runs it, so each engine's memory is surely returned).
     base: dict[int, float] = {}
+    if os.path.exists(args.out):
+        for line in open(args.out):
+            row = json.loads(line)
+            if row.get("mode") == "quant-decode" and row["kind"] == "bf16" and row["commit"] == _commit():
+                base[row["batch"]] = row["step_ms"] / 1e3
     kinds = args.kinds or list(QUANT_KINDS)
     for kind in kinds:
         quantization, recipe = QUANT_KINDS[kind]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec quant quant-speed ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
+#   bash bench/gpu_check.sh tests faults spec quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -18,13 +18,17 @@ for step in "$@"; do
              | tee $OUT/pytest-cuda-faults.log | tail -5 ;;
     spec) python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py -k "cuda or async_steps" 2>&1 \
              | tee $OUT/pytest-cuda-spec.log | tail -5 ;;
-    # Issue 22's H100 speed table: kernel tests, per-layer times and kernel tiles, whole-model decode at batch
-    # 1/16/64 for bf16, W8A16, W4A16 g128 (GPTQ layout), FP8, W8A8 (dummy weights), then W1 in bf16 and fp8.
-    quant-speed) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "cuda or kernel" 2>&1 \
+    # Issue 22's H100 speed table, in two calls of under 10 minutes: `quant-kernels` (kernel tests, per-layer
+    # times, the W4A16 batch-1 tile sweep), then `quant-decode quant-w1` (Llama-3-8B decode at batch 1/16/64
+    # for bf16, W8A16, W4A16 g128 GPTQ layout, FP8, W8A8 with dummy weights, one process per kind; W1 in bf16
+    # and with --quantization fp8).
+    quant-kernels) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "cuda or kernel" 2>&1 \
              | tee $OUT/pytest-cuda-quant.log | tail -3
-           python3 -m bench.quant_gpu --batch 1 16 64 --sweep --out $OUT/quant-gpu.jsonl 2>&1 | tail -40
-           python3 bench/gpu_check.py quant-decode --backend triton 2>&1 | grep -E "RESULT|Error" | cut -c1-400
-           for q in "" "--quantization fp8"; do python3 bench/gpu_check.py workload w1 --backend triton $q 2>&1 \
+           python3 -m bench.quant_gpu --batch 1 16 64 --sweep --out $OUT/quant-gpu.jsonl 2>&1 | tail -40 ;;
+    quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
+             python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
+           done ;;
+    quant-w1) for q in "" "--quantization fp8"; do python3 bench/gpu_check.py workload w1 --backend triton $q 2>&1 \
              | grep -E "RESULT|Error" | cut -c1-300; done ;;
     quant) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k cuda 2>&1 \
              | tee $OUT/pytest-cuda-quant.log | tail -5

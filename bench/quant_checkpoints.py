@@ -88,24 +88,25 @@ def _quantization_config(r: Recipe) -> dict:
             "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}  # fmt: skip
 
 
-def _input_absmax(model_dir: Path) -> dict[str, float]:
-    """Linear module name -> the largest |input| it sees on calibration text (4 x 256 tokens of the bundled
-    text past the scored part; seeded random tokens for a model without a tokenizer): the min-max observer
-    llm-compressor makes a static activation scale of."""
+def input_absmax(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Linear module name -> the largest |input| of each input channel ([K]) on calibration text (4 x 256
+    tokens of the bundled text past the scored part; seeded random tokens for a model without a tokenizer):
+    its maximum is the min-max observer llm-compressor makes a static activation scale of."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.quant_ppl import TEXT
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if (model_dir / "tokenizer.json").is_file():
+    if (Path(model_dir) / "tokenizer.json").is_file():
         ids = AutoTokenizer.from_pretrained(model_dir)(TEXT.read_text())["input_ids"]
         ids = torch.tensor(ids[CALIBRATION_SKIP : CALIBRATION_SKIP + 1024]).reshape(4, 256)
     else:
         ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
-    seen: dict[str, float] = {}
+    seen: dict[str, torch.Tensor] = {}
 
     def observe(name: str, x: torch.Tensor) -> None:
-        seen[name] = max(seen.get(name, 0.0), x.abs().max().item())
+        channels = x.abs().reshape(-1, x.shape[-1]).amax(0)
+        seen[name] = torch.maximum(seen[name], channels) if name in seen else channels
 
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in LINEARS:
@@ -144,7 +145,7 @@ def write(model_dir: str | Path, out_dir: str | Path, recipe: Recipe) -> Path:
     ref.mkdir(parents=True, exist_ok=True)
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
-    absmax = _input_absmax(src) if recipe.static_input else {}
+    absmax = input_absmax(src) if recipe.static_input else {}
     for file in sorted(src.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
             module, _, suffix = name.rpartition(".")
@@ -154,7 +155,7 @@ def write(model_dir: str | Path, out_dir: str | Path, recipe: Recipe) -> Path:
                 tensors, deq = _quantize(tensor.float(), recipe, seed=zlib.crc32(shared.encode()))
                 if recipe.static_input:
                     qmax = 127.0 if recipe.fmt == "ct-int8" else torch.finfo(FP8).max
-                    tensors["input_scale"] = torch.tensor([absmax[module] / qmax])
+                    tensors["input_scale"] = (absmax[module].max() / qmax).reshape(1)
                 quantized.update({f"{module}.{k}": v.contiguous() for k, v in tensors.items()})
                 dequantized[name] = deq.to(tensor.dtype).contiguous()
             else:

@@ -67,7 +67,36 @@ VARIANTS: dict[str, tuple[str | None, torch.dtype | None, tuple[str, ...]]] = {
     "w4-g32-asym": ("w4-g32-asym", None, ALL),
     "w4-g128-not-down": ("w4-g128", None, tuple(p for p in ALL if p != "down_proj")),
     "w4-g128-down": ("w4-g128", None, ("down_proj",)),
+    "a8-int8-smooth": (None, torch.int8, ALL),
+    "w8a8-int8-smooth": ("int8", torch.int8, ALL),
+    "w8a8-int8-smooth50": ("int8", torch.int8, ALL),
 }
+# variant -> SmoothQuant's alpha (migration strength)
+SMOOTHING = {"a8-int8-smooth": 0.8, "w8a8-int8-smooth": 0.8, "w8a8-int8-smooth50": 0.5}
+# The layers SmoothQuant rescales, by shared input (llm-compressor's Llama mappings: into the input norm, the
+# post-attention norm, and up_proj); o_proj is left alone (under grouped KV heads v_proj cannot absorb it).
+SMOOTHED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def smooth(model: nn.Module, model_dir: str, alpha: float) -> None:
+    """SmoothQuant on calibration text: input channel j of each smoothed group is divided by
+    s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha) and the weights' column j multiplied by it, which leaves the
+    product unchanged and moves activation outliers into the weights before both are rounded. A checkpoint
+    folds 1/s into the preceding norm or up_proj; here a hook divides the input, the same numbers."""
+    from bench.quant_checkpoints import input_absmax
+
+    xmax = input_absmax(model_dir)
+    for layer in model.model.layers:
+        modules = dict(layer.self_attn.named_children()) | dict(layer.mlp.named_children())
+        for group in SMOOTHED:
+            linears = [modules[name] for name in group]
+            name = next(n for n, m in model.named_modules() if m is linears[0])
+            wmax = torch.stack([m.weight.abs().amax(0) for m in linears]).amax(0)
+            s = (xmax[name].pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)
+            for m in linears:
+                with torch.no_grad():
+                    m.weight.mul_(s)
+                m.register_forward_pre_hook(lambda m, args, s=s: (args[0] / s,))
 
 
 def perplexity(model: nn.Module, windows: list[list[int]]) -> float:
@@ -81,9 +110,11 @@ def perplexity(model: nn.Module, windows: list[list[int]]) -> float:
     return math.exp(nll / count)
 
 
-def apply(model: nn.Module, variant: str) -> list:
+def apply(model: nn.Module, variant: str, model_dir: str) -> list:
     """Round the variant's weights in place and hook its activation rounding; returns the hooks."""
     weight_kind, act_dtype, targets = VARIANTS[variant]
+    if variant in SMOOTHING:
+        smooth(model, model_dir, SMOOTHING[variant])
     hooks = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in targets:
@@ -114,7 +145,7 @@ def main() -> None:
     for variant in args.variants:
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        apply(model, variant)
+        apply(model, variant, model_dir)
         ppl = perplexity(model, windows)
         base = ppl if variant == "fp32" else base
         record(out, variant, ppl, base, windows, start, model_dir, forward="transformers, fake-quantized")
