@@ -73,8 +73,9 @@ VARIANTS: dict[str, tuple[str | None, torch.dtype | None, tuple[str, ...]]] = {
 }
 # variant -> SmoothQuant's alpha (migration strength)
 SMOOTHING = {"a8-int8-smooth": 0.8, "w8a8-int8-smooth": 0.8, "w8a8-int8-smooth50": 0.5}
-# The layers SmoothQuant rescales, by shared input (llm-compressor's Llama mappings: into the input norm, the
-# post-attention norm, and up_proj); o_proj is left alone (under grouped KV heads v_proj cannot absorb it).
+# The layers SmoothQuant rescales, by shared input: q/k/v into the input norm and gate/up into the post-attention
+# norm (the mappings llm-compressor 0.14 infers for Llama), and down_proj into up_proj (which it leaves out);
+# o_proj is left alone (under grouped KV heads v_proj cannot absorb it).
 SMOOTHED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",))
 
 
