@@ -9,6 +9,8 @@
     python bench/gpu_check.py long-prompt                # TTFT of 4k-32k prompts: flash-attn-4 vs own kernels
     python bench/gpu_check.py long-decode                # batch 64 decode at 8k contexts, bf16 vs fp8 KV cache
     python bench/gpu_check.py workload w2 --kv-cache-dtype fp8   # any workload over an fp8 KV cache
+    python bench/gpu_check.py quant-decode               # decode tok/s, bf16 vs W8A16 / W4A16 / FP8 / W8A8
+    python bench/gpu_check.py workload w1 --quantization fp8
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
 (prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set, else
@@ -649,6 +651,97 @@ def mode_roofline(args) -> None:
     )
 
 
+# Quantized kinds at the Llama-3-8B shape (dummy weights): kind -> (--quantization, recipe of config.json's
+# quantization_config in bench/quant_checkpoints.py, or None for a load-time scheme or none).
+QUANT_KINDS = {
+    "bf16": (None, None),
+    "w8a16": ("int8", None),
+    "w4a16-g128": (None, "gptq-w4g128"),
+    "fp8": ("fp8", None),
+    "w8a8-int8": (None, "ct-w8a8-int8"),
+}
+
+
+def _quant_model_dir(recipe: str | None) -> str:
+    """The Llama-3-8B config, with the recipe's quantization_config when it names one (a temporary copy)."""
+    import tempfile
+
+    from bench.quant_checkpoints import RECIPES, _quantization_config
+
+    if recipe is None:
+        return LLAMA_8B
+    cfg = json.loads((Path(LLAMA_8B) / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config(RECIPES[recipe])
+    out = Path(tempfile.mkdtemp(prefix=f"llama3-8b-{recipe}-"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def _linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every linear layer's own tensors (weights, packed integers, scales, zero points, biases): what
+    a decode step reads in full; the embedding (a few rows a step) and the norms (kilobytes) are left out."""
+    from engine.layers.linear import PackedLinear, ScaledLinear, WeightOnlyLinear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, PackedLinear, WeightOnlyLinear, ScaledLinear)):
+            tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
+
+
+def mode_quant_decode(args) -> None:
+    """Decode steps of Llama-3-8B (dummy weights) in bf16 and each quantized kind at batch 1, 16 and 64 with
+    128-token prompts: tok/s, and the achieved linear-weight bandwidth (linear bytes / median step time)."""
+    import gc
+
+    hbm, _ = measure_peaks()
+    # bf16's step times, for vs_bf16: from this call, or from an earlier one at this commit in --out (one
+    # process per kind, as bench/gpu_check.sh runs it, so each engine's memory is surely returned).
+    base: dict[int, float] = {}
+    if os.path.exists(args.out):
+        for line in open(args.out):
+            row = json.loads(line)
+            if row.get("mode") == "quant-decode" and row["kind"] == "bf16" and row["commit"] == _commit():
+                base[row["batch"]] = row["step_ms"] / 1e3
+    kinds = args.kinds or list(QUANT_KINDS)
+    for kind in kinds:
+        quantization, recipe = QUANT_KINDS[kind]
+        llm = _llm(_quant_model_dir(recipe), args.backend, args.eager, quantization=quantization)
+        model = llm.engine.runner.model
+        cfg = model.config
+        weight_bytes = _linear_bytes(model)
+        kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        for batch in (1, 16, 64):
+            times = _step_times(llm, _fixed_prompts(batch, 128, seed=batch), max_tokens=48, timed_steps=32)
+            step_s = statistics.median(times)
+            if kind == "bf16":
+                base[batch] = step_s
+            emit(
+                args,
+                {
+                    "mode": "quant-decode",
+                    "kind": kind,
+                    "quantization": quantization,
+                    "checkpoint_config": recipe,
+                    "batch": batch,
+                    "context": 128,
+                    "backend": args.backend,
+                    "cuda_graphs": not args.eager,
+                    "step_ms": step_s * 1e3,
+                    "tok_s": batch / step_s,
+                    "vs_bf16": base[batch] / step_s if batch in base else None,
+                    "linear_bytes": weight_bytes,
+                    "weight_gbps": weight_bytes / step_s / 1e9,
+                    "weight_hbm_fraction_measured": weight_bytes / step_s / hbm,
+                    "kv_bytes_read": batch * (128 + 24) * kv_bytes_per_token,  # about mid-way through the timed steps
+                },
+            )
+        del llm, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def mode_long_prompt(args) -> None:
     """Time to the first token of one long prompt (Llama-3-8B shape), its attention through
     flash-attn-4 or through pagoda's kernels, alternating in one engine (the route toggled on its
@@ -851,6 +944,7 @@ def _engine_kw(args) -> dict:
             ("max_prefill_graph_tokens", args.max_prefill_graph_tokens),
             ("gpu_memory_utilization", args.gpu_memory_utilization),
             ("kv_cache_dtype", args.kv_cache_dtype),
+            ("quantization", args.quantization),
         )
         if v is not None
     }
@@ -1033,6 +1127,7 @@ def main() -> None:
             "gemms",
             "long-prompt",
             "long-decode",
+            "quant-decode",
         ],
     )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
@@ -1054,6 +1149,8 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, default=8000, help="long-decode: tokens per prompt")
     parser.add_argument("--long-output", type=int, default=192, help="long-decode: tokens out per prompt")
     parser.add_argument("--long-kv", nargs="+", default=["auto", "fp8"], help="long-decode: KV dtypes, in order")
+    parser.add_argument("--quantization", default=None, help="workload mode: --quantization (e.g. fp8)")
+    parser.add_argument("--kinds", nargs="+", choices=list(QUANT_KINDS), help="quant-decode mode: these kinds only")
     parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")
@@ -1082,6 +1179,7 @@ def main() -> None:
         "timeline": mode_timeline,
         "ttft": mode_ttft,
         "gemms": mode_gemms,
+        "quant-decode": mode_quant_decode,
     }[args.mode](args)
 
 

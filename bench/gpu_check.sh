@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft quant ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv long
+#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv long
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -18,13 +18,7 @@ for step in "$@"; do
              | tee $OUT/pytest-cuda-faults.log | tail -5 ;;
     spec) python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py -k "cuda or async_steps" 2>&1 \
              | tee $OUT/pytest-cuda-spec.log | tail -5 ;;
-    # Draft-model speculation on the GPU: its CUDA tests, then the default model drafting for itself (every
-    # greedy draft token accepted) at batch 1, with the cost model and with the full k every step.
-    spec-draft) python3 -m pytest -q -p no:cacheprovider tests/test_spec_draft.py -k "cuda" 2>&1 \
-             | tee $OUT/pytest-cuda-spec-draft.log | tail -5
-           draft=$(python3 -c "from engine.default_model import default_model_dir as d; print(d())")
-           python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --out $OUT/spec-draft.jsonl 2>&1 | tail -1
-           python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --full-k --out $OUT/spec-draft.jsonl 2>&1 | tail -1 ;;
+#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv long
     quant) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k cuda 2>&1 \
              | tee $OUT/pytest-cuda-quant.log | tail -5
            python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;

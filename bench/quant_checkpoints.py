@@ -38,6 +38,7 @@ class Recipe:
     group_size: int = 128
     symmetric: bool = True
     act_order: bool = False
+    static_input: bool = False  # W8A8: one calibrated activation scale per layer instead of per-token ones
 
 
 RECIPES = {
@@ -52,7 +53,10 @@ RECIPES = {
     "ct-w8a16-channel": Recipe("ct", bits=8, group_size=-1),
     "ct-w8a8-int8": Recipe("ct-int8", bits=8, group_size=-1),
     "ct-w8a8-fp8": Recipe("ct-fp8", bits=8, group_size=-1),
+    "ct-w8a8-int8-static": Recipe("ct-int8", bits=8, group_size=-1, static_input=True),
+    "ct-w8a8-fp8-static": Recipe("ct-fp8", bits=8, group_size=-1, static_input=True),
 }
+CALIBRATION_SKIP = 8192  # static scales calibrate on text past what bench/quant_ppl.py scores by default
 
 
 def _quantization_config(r: Recipe) -> dict:
@@ -75,11 +79,41 @@ def _quantization_config(r: Recipe) -> dict:
         kind = "int" if r.fmt == "ct-int8" else "float"
         weights.update(type=kind, strategy="channel", group_size=None)
         acts = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}
+        if r.static_input:
+            acts.update(strategy="tensor", dynamic=False, observer="minmax")
         fmt = f"{kind}-quantized"
     group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
              "format": fmt}  # fmt: skip
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}  # fmt: skip
+
+
+def input_absmax(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Linear module name -> the largest |input| of each input channel ([K]) on calibration text (4 x 256
+    tokens of the bundled text past the scored part; seeded random tokens for a model without a tokenizer):
+    its maximum is the min-max observer llm-compressor makes a static activation scale of."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.quant_ppl import TEXT
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        ids = AutoTokenizer.from_pretrained(model_dir)(TEXT.read_text())["input_ids"]
+        ids = torch.tensor(ids[CALIBRATION_SKIP : CALIBRATION_SKIP + 1024]).reshape(4, 256)
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, torch.Tensor] = {}
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        channels = x.abs().reshape(-1, x.shape[-1]).amax(0)
+        seen[name] = torch.maximum(seen[name], channels) if name in seen else channels
+
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in LINEARS:
+            module.register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    return seen
 
 
 def _quantize(weight: torch.Tensor, r: Recipe, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -111,6 +145,7 @@ def write(model_dir: str | Path, out_dir: str | Path, recipe: Recipe) -> Path:
     ref.mkdir(parents=True, exist_ok=True)
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
+    absmax = input_absmax(src) if recipe.static_input else {}
     for file in sorted(src.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
             module, _, suffix = name.rpartition(".")
@@ -118,6 +153,9 @@ def write(model_dir: str | Path, out_dir: str | Path, recipe: Recipe) -> Path:
                 # Projections of one input (q/k/v, gate/up) share an act order, as GPTQ's Hessian of that input gives.
                 shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
                 tensors, deq = _quantize(tensor.float(), recipe, seed=zlib.crc32(shared.encode()))
+                if recipe.static_input:
+                    qmax = 127.0 if recipe.fmt == "ct-int8" else torch.finfo(FP8).max
+                    tensors["input_scale"] = (absmax[module].max() / qmax).reshape(1)
                 quantized.update({f"{module}.{k}": v.contiguous() for k, v in tensors.items()})
                 dequantized[name] = deq.to(tensor.dtype).contiguous()
             else:

@@ -91,10 +91,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSONL path (default: bench-results naming)")
     args = parser.parse_args()
     model_dir = args.model or str(default_model_dir())
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT.read_text())["input_ids"][: args.tokens]
-    windows = [ids[i : i + args.window] for i in range(0, len(ids) - 1, args.window)]
+    windows = text_windows(model_dir, args.tokens, args.window)
     out = Path(args.out or results_path("quant-ppl", "cpu"))
     out.parent.mkdir(parents=True, exist_ok=True)
     base = None
@@ -110,23 +107,39 @@ def main() -> None:
         ppl = perplexity(str(served), dtype, quantization, windows, args.window)
         if variant == "fp32":
             base = ppl
-        row = {
-            "variant": variant,
-            "perplexity": round(ppl, 4),
-            "vs_fp32_pct": None if base is None else round(100 * (ppl / base - 1), 2),
-            "tokens": sum(len(w) - 1 for w in windows),
-            "window": args.window,
-            "seconds": round(time.perf_counter() - start, 1),
-            "model": Path(model_dir).name,
-            "checkpoint": "llm-compressor" if variant in extra else "pagoda's packer (RTN)" if recipe else "none",
-            "device": "cpu",
-            "commit": short_commit(),
-            "date": datetime.date.today().isoformat(),
-            "command": "python -m bench.quant_ppl " + " ".join(sys.argv[1:]),
-        }
-        print(json.dumps(row), flush=True)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        checkpoint = "llm-compressor" if variant in extra else "pagoda's packer (RTN)" if recipe else "none"
+        record(out, variant, ppl, base, windows, start, model_dir, checkpoint=checkpoint, device="cpu")
+
+
+def text_windows(model_dir: str, tokens: int, window: int) -> list[list[int]]:
+    """The first `tokens` tokens of the bundled text, cut into windows of `window` tokens."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT.read_text())["input_ids"][:tokens]
+    return [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
+
+
+def record(
+    out: Path, variant: str, ppl: float, base: float | None, windows: list[list[int]], start: float, model_dir: str,
+    **extra,
+) -> None:  # fmt: skip
+    """Print one result row and append it to `out`."""
+    row = {
+        "variant": variant,
+        "perplexity": round(ppl, 4),
+        "vs_fp32_pct": None if base is None else round(100 * (ppl / base - 1), 2),
+        "tokens": sum(len(w) - 1 for w in windows),
+        "window": len(windows[0]),
+        "seconds": round(time.perf_counter() - start, 1),
+        "model": Path(model_dir).name,
+        **extra,
+        "commit": short_commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": f"python -m bench.{Path(sys.argv[0]).stem} " + " ".join(sys.argv[1:]),
+    }
+    print(json.dumps(row), flush=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ class EngineConfig:
     device: str = knob("auto", "cpu, cuda, cuda:N, or auto: cuda if available")
     load_format: str = knob(
         "auto",
-        "auto: the safetensors files; dummy: random weights of the model's architecture (config.json), for benchmarks",
+        "auto: the safetensors files; dummy: random weights of the model's architecture (config.json), for benchmarks "
+        "(rounded as its quantization_config or --quantization says)",
         choices=("auto", "safetensors", "dummy"),
     )
     quantization: str | None = knob(

@@ -119,8 +119,6 @@ def load_model(
     scheme = detect_scheme(hf_config, model_dir, quantization)
     if scheme is not None:
         log.info("quantization: %s", scheme.describe())
-        if load_format == "dummy" and scheme.marker is not None:
-            raise ValueError(f"dummy weights cannot stand for a {scheme.name} checkpoint's packed tensors")
     try:
         cls = model_class(hf_config)
         with _default_dtype(dtype), torch.device(device):
@@ -130,7 +128,7 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model, seed)
         if scheme is not None:
-            quantize_linears(model, scheme, {})
+            quantize_linears(model, scheme, {}, dummy=True)
     else:
         _load_safetensors(model, Path(model_dir), device, scheme)
     return model.eval(), hf_config

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from bench.quant_checkpoints import RECIPES, write
+from bench.quant_checkpoints import LINEARS, RECIPES, write
 from engine.layers.linear import FP8, ScaledLinear, quantize_per_row
 from engine.quant import (
     IntWeight,
@@ -254,6 +254,42 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(qu
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # dequantized on CPU
 
 
+@pytest.mark.parametrize("name", ["ct-w8a8-int8", "ct-w8a8-fp8", "ct-w8a8-int8-static", "ct-w8a8-fp8-static"])
+def test_w8a8_matches_transformers_rounding_inputs_the_same_way(quantized_dirs, name):
+    """pagoda's W8A8 logits are transformers' on the dequantized weights with every linear's input rounded to
+    8 bits as the checkpoint says: per token (dynamic), or at the layer's calibrated per-tensor scale (static)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from bench.quant_ppl import prompt_logits
+    from engine.llm import LLM
+
+    qdir = quantized_dirs(name)
+    scales = {k.rpartition(".")[0]: v for k, v in load_file(qdir / "model.safetensors").items() if "input_scale" in k}
+    qdtype = torch.int8 if "int8" in name else FP8
+    qmax = 127.0 if qdtype == torch.int8 else 448.0
+
+    def round_input(module, args, scale):
+        if scale is None:  # dynamic: each token's absolute maximum maps to qmax
+            scale = args[0].abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
+        q = (args[0] / scale).clamp(-qmax, qmax)
+        return ((q.round() if qdtype == torch.int8 else q.to(FP8).float()) * scale,)
+
+    ref = AutoModelForCausalLM.from_pretrained(qdir / "reference", dtype=torch.float32).eval()
+    for module_name, module in ref.named_modules():
+        if module_name.rpartition(".")[2] in LINEARS:
+            scale = scales[module_name].float() if scales else None
+            module.register_forward_pre_hook(lambda m, a, s=scale: round_input(m, a, s))
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    llm = LLM(model=str(qdir), device="cpu", dtype="float32", max_model_len=64, cpu_kv_cache_bytes=8 << 20)
+    layer = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert (layer.input_scale is not None) == name.endswith("static") and layer.weight.dtype == qdtype
+    got = prompt_logits(llm, ids)
+    assert (got - expected).norm() / expected.norm() < 1e-3
+
+
 @pytest.mark.parametrize("quantization, tol", [("int8", 0.02), ("fp8", 0.1)])
 def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, quantization, tol):
     from engine.attention.torch_ref import TorchBackend
@@ -272,6 +308,33 @@ def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, qu
         err = (out - ref).norm() / ref.norm()
         assert 1e-5 < err < tol
     assert type(quant.lm_head) is torch.nn.Linear  # the LM head stays full precision
+
+
+@pytest.mark.parametrize("name", ["gptq-w4g128", "awq-w4g128", "ct-w4a16-g128", "ct-w8a8-int8", "ct-w8a8-fp8-static"])
+def test_dummy_weights_of_a_quantized_config_are_quantized(tiny_model_dir, tmp_path, name):
+    """load_format="dummy" with a quantized config.json (benchmarks at shapes with no checkpoint at hand):
+    every linear but the LM head holds the scheme's rounding of the random weight."""
+    import shutil
+
+    from bench.quant_checkpoints import _quantization_config
+    from engine.loader import load_model
+
+    recipe = dataclasses.replace(RECIPES[name], group_size=min(RECIPES[name].group_size, 32))
+    shutil.copy(tiny_model_dir("llama") / "config.json", tmp_path / "config.json")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config(recipe)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), load_format="dummy")
+    layers = [model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj]
+    assert type(model.lm_head) is torch.nn.Linear
+    if recipe.bits == 8:  # W8A8: 8-bit weights served as such
+        assert all(isinstance(layer, ScaledLinear) for layer in layers)
+        assert all((layer.input_scale is not None) == recipe.static_input for layer in layers)
+        return
+    for layer in layers:  # W4A16 on the CPU: dequantized, so at most 16 values per group of 32 inputs of a row
+        groups = layer.weight.detach().reshape(layer.out_features, -1, 32)
+        assert max(len(torch.unique(g)) for g in groups.reshape(-1, 32)[:64]) <= 16
+        assert len(torch.unique(layer.weight)) > 16
 
 
 def test_corrupted_quantized_checkpoint_fails_at_load(quantized_dirs, tmp_path):
@@ -321,11 +384,32 @@ def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m,
     torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("k, n_full", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
+def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
+    """Batch-1 decode, W4 g128, at Llama-3-8B's real K with the tiles an H100 (132 SMs) picks for the layer's
+    full N, and with the largest tiles bench/quant_gpu.py --sweep tries; N is cut to 256 outputs (the
+    interpreter is slow), which changes no program's work."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import Tiles, tiles, weight_only_matmul
+
+    n = 256
+    g = torch.Generator().manual_seed(k + n_full)
+    w = quantize_rtn(torch.randn(n, k, generator=g), 4, 128)
+    x = torch.randn(1, k, generator=g).half()
+    ref = x.float() @ w.dequantize().half().float()
+    args = (x.to(DEV), pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
+    h100 = tiles(1, n_full, k, 128, num_sms=132)  # split K but for gate/up (448 programs without)
+    assert h100.split == (1 if n_full == 28672 else 2 if n_full == 6144 else 4)
+    for config in (h100, Tiles(16, 256, 128, 8, num_warps=8, num_stages=4)):
+        out = weight_only_matmul(*args, config=config)
+        assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
+
+
 def test_split_k_covers_decode_batches():
     from engine.kernels.quant_gemm import tiles
 
-    assert tiles(1, 4096, 4096, 128, num_sms=132)[3] > 1  # a GEMV splits K to fill the GPU
-    assert tiles(256, 4096, 4096, 128, num_sms=132)[3] == 1
+    assert tiles(1, 4096, 4096, 128, num_sms=132).split > 1  # a GEMV splits K to fill the GPU
+    assert tiles(256, 4096, 4096, 128, num_sms=132).split == 1
 
 
 def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():

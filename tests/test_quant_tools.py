@@ -60,7 +60,7 @@ def test_llmcompressor_w4a16_matches_transformers_on_the_same_checkpoint(name):
     assert got == expected
 
 
-@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8"])
+@pytest.mark.parametrize("name", ["w8a8-int8", "w8a8-fp8", "w8a8-int8-sq"])
 def test_llmcompressor_w8a8_stays_close_to_full_precision(name, default_model_dir):
     """W8A8 (weights and per-token activations in 8 bits) logits on real text stay near the float32 model's."""
     from transformers import AutoTokenizer

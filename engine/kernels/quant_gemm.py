@@ -12,6 +12,8 @@ stream the weight to fill the GPU; prompt-sized batches use larger M tiles and n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -63,29 +65,56 @@ def _block_k(k: int, group: int) -> int:
     raise ValueError(f"weight-only matmul needs K ({k}) and the group size ({group}) to be multiples of 16")
 
 
-def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for an [m, k] x [k, n] product."""
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's shape: BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs per loop step, K split over
+    `split` programs; num_warps and num_stages as Triton takes them (stages: loads in flight per program)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, k: int, group: int) -> None:
+        if group % self.block_k or k % (self.block_k * self.split):
+            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
+
+
+def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
+    """The tiles for an [m, k] x [k, n] product."""
     bk = min(_block_k(k, group), 64)
     if m > 16:
-        return (64 if m > 32 else 32), 64, bk, 1
+        return Tiles(64 if m > 32 else 32, 64, bk, 1)
     bn = 64
     programs = triton.cdiv(n, bn)
     split = 1
     # Split K until about two programs per SM stream the weight, keeping each split whole tiles.
     while programs * split * 2 < 2 * num_sms and k % (bk * split * 2) == 0 and k // (split * 2) >= 4 * bk:
         split *= 2
-    return 16, bn, bk, split
+    return Tiles(16, bn, bk, split)
 
 
 def weight_only_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    config: Tiles | None = None,
 ) -> torch.Tensor:
-    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype."""
+    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype; `config` overrides the tiles
+    (bench/quant_gpu.py --sweep times candidates)."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    bm, bn, bk, split = tiles(m, n, k, group_size, num_sms)
+    if config is None:
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        config = tiles(m, n, k, group_size, num_sms)
+    config.check(k, group_size)
+    bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split
     if split == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
@@ -98,5 +127,6 @@ def weight_only_matmul(
         m, n, k, x.stride(0), x.stride(1),
         BITS=bits, GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if split == 1 else out.to(x.dtype)

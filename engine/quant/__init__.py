@@ -156,6 +156,12 @@ class QuantScheme(ABC):
     def describe(self) -> str:
         return self.name
 
+    def tensors_of(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors `make_linear` takes for one shard standing for an [N, K] full-precision weight: the weight
+        itself for a load-time scheme; a checkpoint scheme quantizes it into its own tensors (round-to-nearest),
+        which is how dummy weights (load_format="dummy") of a quantized config are made."""
+        return {"weight": weight}
+
 
 def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
@@ -218,22 +224,25 @@ def fused_shards(model: nn.Module) -> dict[str, list[str]]:
     return {fused: [p for _, p in sorted(parts)] for fused, parts in out.items()}
 
 
-def quantize_linears(model: nn.Module, scheme: QuantScheme, tensors: dict[str, dict[str, torch.Tensor]]) -> int:
+def quantize_linears(
+    model: nn.Module, scheme: QuantScheme, tensors: dict[str, dict[str, torch.Tensor]], dummy: bool = False
+) -> int:
     """Replace the model's quantized nn.Linear layers by the scheme's modules; returns how many.
 
     `tensors`: checkpoint module name (without "model.") -> its quantized tensors, consumed here. A
     checkpoint scheme quantizes the layers whose tensors it has (others keep their loaded weights: the
-    LM head and `ignore`d layers); a load-time scheme quantizes every linear but the LM head."""
+    LM head and `ignore`d layers); a load-time scheme, or any scheme over `dummy` (random) weights,
+    quantizes every linear but the LM head from its loaded weight (`QuantScheme.tensors_of`)."""
     shards_of = fused_shards(model)
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if scheme.marker is None:
+            if scheme.marker is None or dummy:
                 if child_name == "lm_head":
                     continue
-                shards = [{"weight": child.weight.detach()}]
+                shards = [scheme.tensors_of(child.weight.detach())]  # a fused layer as one shard
             else:
                 prefix = f"{parent_name}." if parent_name else ""
                 parts = [prefix + p for p in shards_of.get(child_name, [child_name])]

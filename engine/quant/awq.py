@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, unpack_int32
+from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER[i]
 _COLUMN_FIELD = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in field _COLUMN_FIELD[c]
@@ -54,6 +54,9 @@ class AWQ(QuantScheme):
             )
         group_size = q.shape[0] if self.group_size == -1 else self.group_size
         return IntWeight(q, scales, zeros, 4, group_size)
+
+    def tensors_of(self, weight):
+        return pack(quantize_rtn(weight, 4, self.group_size, symmetric=False))
 
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear

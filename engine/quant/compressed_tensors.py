@@ -10,9 +10,9 @@ The scheme comes from the config's `config_groups` (pagoda serves one scheme per
       weight_shape      [2]                       (N, K)
       weight_g_idx      [K]                       act-order only
   W[n, k] = weight_scale[n, g] * (q[n, k] - zp[n, g]).
-- W8A8 INT8 (`int-quantized`): `weight` int8 [N, K], `weight_scale` [N, 1]; activations per token at run time.
-- W8A8 FP8 (`float-quantized`): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] (channel) or one
-  value (tensor); activations per token at run time, or by the static `input_scale` beside it.
+- W8A8 INT8 (`int-quantized`) and FP8 (`float-quantized`): `weight` int8 / float8_e4m3fn [N, K],
+  `weight_scale` [N, 1] (channel) or one value (tensor); activations symmetric, per token at run time, or
+  by the static per-tensor `input_scale` beside the weight (a calibrated absolute maximum / 127 or / 448).
 - `kv_cache_scheme` fp8 per tensor: `self_attn.k_scale` / `self_attn.v_scale` per layer, read by the loader
   into the attention layers' scales (an fp8 KV cache uses them; --kv-cache-dtype auto ignores them).
 """
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, unpack_int32
+from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
 
 SUPPORTED = (
     "W4A16 / W8A16 (pack-quantized int weights, group or channel, symmetric or not), "
-    "W8A8 int8 (channel weights, dynamic per-token activations), "
-    "W8A8 fp8 (channel or tensor weights, dynamic per-token or static activations)"
+    "W8A8 int8 and fp8 (channel or tensor weights, symmetric dynamic per-token or static per-tensor activations)"
 )
 
 
@@ -65,6 +64,9 @@ class CompressedWeightOnly(QuantScheme):
                 g_idx = None
         return IntWeight(q.t(), scales.t(), zeros.t(), self.bits, group_size, g_idx)
 
+    def tensors_of(self, weight):
+        return pack(quantize_rtn(weight, self.bits, self.group_size or -1))
+
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
@@ -83,6 +85,15 @@ class CompressedW8A8(QuantScheme):
     def describe(self) -> str:
         acts = "static" if self.static_input else "dynamic per-token"
         return f"compressed-tensors W8A8 {self.kind} ({acts} activations)"
+
+    def tensors_of(self, weight):
+        from engine.layers.linear import FP8, quantize_per_row
+
+        q, scale = quantize_per_row(weight, torch.int8 if self.kind == "int8" else FP8)
+        out = {"weight": q, "weight_scale": scale}
+        if self.static_input:  # no data to calibrate on: a scale for inputs of magnitude up to ~8
+            out["input_scale"] = torch.tensor([8.0 / (127.0 if self.kind == "int8" else 448.0)], device=q.device)
+        return out
 
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import ScaledLinear
@@ -153,8 +164,6 @@ def from_config(qc: dict) -> QuantScheme:
     act_ok = (dynamic and a.get("strategy") == "token") or (not dynamic and a.get("strategy") == "tensor")
     sym = w.get("symmetric", True) and a.get("symmetric", True)
     if bits == 8 and a.get("num_bits") == 8 and act_ok and sym and kind == a.get("type"):
-        if kind == "int" and strategy == "channel" and fmt == "int-quantized" and dynamic:
-            return CompressedW8A8("int8", static_input=False)
-        if kind == "float" and strategy in ("channel", "tensor") and fmt == "float-quantized":
-            return CompressedW8A8("fp8", static_input=not dynamic)
+        if strategy in ("channel", "tensor") and fmt == f"{kind}-quantized" and kind in ("int", "float"):
+            return CompressedW8A8("int8" if kind == "int" else "fp8", static_input=not dynamic)
     raise _unsupported(found)

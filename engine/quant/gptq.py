@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, unpack_int32
+from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -57,6 +57,9 @@ class GPTQ(QuantScheme):
                 g_idx = None  # the plain order: no gather needed
         return IntWeight(q, scales, zeros, self.bits, group_size, g_idx)
 
+    def tensors_of(self, weight):
+        return pack(quantize_rtn(weight, self.bits, self.group_size, self.sym), self.v2)
+
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
@@ -68,7 +71,9 @@ def pack(weight: IntWeight, v2: bool = False) -> dict[str, torch.Tensor]:
     mask = (1 << weight.bits) - 1
     zeros = weight.zeros if v2 else (weight.zeros - 1) & mask
     k = weight.q.shape[0]
-    g_idx = weight.g_idx if weight.g_idx is not None else torch.arange(k, dtype=torch.int32) // weight.group_size
+    g_idx = weight.g_idx
+    if g_idx is None:
+        g_idx = torch.arange(k, dtype=torch.int32, device=weight.q.device) // weight.group_size
     return {
         "qweight": pack_int32(weight.q, weight.bits, dim=0),
         "qzeros": pack_int32(zeros, weight.bits, dim=1),
