@@ -18,7 +18,25 @@ for step in "$@"; do
              | tee $OUT/pytest-cuda-faults.log | tail -5 ;;
     spec) python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py -k "cuda or async_steps" 2>&1 \
              | tee $OUT/pytest-cuda-spec.log | tail -5 ;;
-#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv long
+    # Draft-model speculation on the GPU: its CUDA tests, then the default model drafting for itself (every
+    # greedy draft token accepted) at batch 1, with the cost model and with the full k every step.
+    spec-draft) python3 -m pytest -q -p no:cacheprovider tests/test_spec_draft.py -k "cuda" 2>&1 \
+             | tee $OUT/pytest-cuda-spec-draft.log | tail -5
+           draft=$(python3 -c "from engine.default_model import default_model_dir as d; print(d())")
+           python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --out $OUT/spec-draft.jsonl 2>&1 | tail -1
+           python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --full-k --out $OUT/spec-draft.jsonl 2>&1 | tail -1 ;;
+    # Issue 22's H100 speed table, in two calls of under 10 minutes: `quant-kernels` (kernel tests, per-layer
+    # times, the W4A16 batch-1 tile sweep), then `quant-decode quant-w1` (Llama-3-8B decode at batch 1/16/64
+    # for bf16, W8A16, W4A16 g128 GPTQ layout, FP8, W8A8 with dummy weights, one process per kind; W1 in bf16
+    # and with --quantization fp8).
+    quant-kernels) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "cuda or kernel" 2>&1 \
+             | tee $OUT/pytest-cuda-quant.log | tail -3
+           python3 -m bench.quant_gpu --batch 1 16 64 --sweep --out $OUT/quant-gpu.jsonl 2>&1 | tail -40 ;;
+    quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
+             python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
+           done ;;
+    quant-w1) for q in "" "--quantization fp8"; do python3 bench/gpu_check.py workload w1 --backend triton $q 2>&1 \
+             | grep -E "RESULT|Error" | cut -c1-300; done ;;
     quant) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k cuda 2>&1 \
              | tee $OUT/pytest-cuda-quant.log | tail -5
            python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;

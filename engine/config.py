@@ -226,7 +226,8 @@ class EngineConfig:
     calculate_kv_scales: bool = knob(
         False,
         "with an fp8 KV cache: compute each layer's K and V scales from the first prompt step (amax / (the fp8 "
-        "maximum / 4), leaving headroom for larger later values) and keep them from then on, instead of 1.0 or the checkpoint's",
+        "maximum / 4), leaving headroom for larger later values) and keep them from then on, instead of 1.0 or "
+        "the checkpoint's",
     )
     swap_space: float = knob(4.0, "GiB of CPU memory for swapped-out KV blocks, with --preemption-mode swap")
     attention_backend: str = knob(

@@ -53,7 +53,9 @@ def test_quantize_saturates_and_round_trips():
     assert torch.equal(back[:3], x[:3])  # exact in e4m3 after / 0.5
     assert back[3] == back[4].neg() == 448 * 0.5  # saturated, never NaN
     s = kv_fp8.amax_scale(torch.tensor([[-896.0, 3.0]]), torch.float8_e4m3fn)
-    assert s.item() == 2.0 * kv_fp8.KV_SCALE_HEADROOM and kv_fp8.amax_scale(torch.zeros(3), torch.float8_e4m3fn).item() > 0
+    assert (
+        s.item() == 2.0 * kv_fp8.KV_SCALE_HEADROOM and kv_fp8.amax_scale(torch.zeros(3), torch.float8_e4m3fn).item() > 0
+    )
 
 
 # ---------------------------------------------------------------- Triton: the store
