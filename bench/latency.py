@@ -42,6 +42,7 @@ import itertools
 import json
 import math
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -527,6 +528,16 @@ def format_summary(run: dict, title: str = "Serving Benchmark Result") -> str:
             stat = stat_key[: -len(f"_{key}_ms")]
             label = {"mean": "Mean", "median": "Median", "std": "Std"}.get(stat, stat.upper())
             row(f"{label} {short} (ms):", m[stat_key])
+    if spec := run.get("spec_decode"):
+        lines.append(f"{'Speculative Decoding':-^50}")
+        rate = spec["acceptance_rate"]
+        row("Acceptance rate (%):", None if rate is None else 100 * rate)
+        row("Acceptance length:", spec["acceptance_length"])
+        row("Drafts:", spec["drafts"])
+        row("Draft tokens:", spec["draft_tokens"])
+        row("Accepted tokens:", spec["accepted_tokens"])
+        for i, value in enumerate(spec["per_position_acceptance"]):
+            row(f"Position {i} acceptance (%):", None if value is None else 100 * value)
     if run.get("errors"):
         lines.append(f"{'Errors':-^50}")
         lines += [f"{count:>5} x {error[:120]}" for error, count in run["errors"].items()]
@@ -789,6 +800,52 @@ def _server_info(base_url: str, headers: dict[str, str]) -> dict[str, Any]:
     return info
 
 
+# The speculative-decoding counters of a server's /metrics (pagoda's and vLLM's names, any prefix).
+_SPEC_COUNTER = re.compile(
+    r"^(?:\w+:)?spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$"
+)
+_SPEC_PER_POS = re.compile(
+    r'^(?:\w+:)?spec_decode_num_accepted_tokens_per_pos(?:_total)?\{[^}]*position="(\d+)"[^}]*\}\s+(\S+)$'
+)
+
+
+def spec_decode_counters(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The server's speculative-decoding counters now (None when it exports none: it does not speculate, or
+    has no /metrics)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers or {}, timeout=10, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    counters: dict[str, Any] = {"per_pos": {}}
+    for line in text.splitlines():
+        if m := _SPEC_COUNTER.match(line):
+            counters[m[1]] = float(m[2])
+        elif m := _SPEC_PER_POS.match(line):
+            counters["per_pos"][int(m[1])] = float(m[2])
+    return counters if "num_drafts" in counters else None
+
+
+def spec_decode_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What speculation did between two scrapes, as vllm bench serve reports it: acceptance rate (accepted /
+    proposed draft tokens), acceptance length (tokens a verify step emits: 1 + accepted per draft), and the
+    acceptance of each draft position."""
+    drafts = after["num_drafts"] - before["num_drafts"]
+    draft_tokens = after.get("num_draft_tokens", 0.0) - before.get("num_draft_tokens", 0.0)
+    accepted = after.get("num_accepted_tokens", 0.0) - before.get("num_accepted_tokens", 0.0)
+    per_pos = [
+        (after["per_pos"][i] - before["per_pos"].get(i, 0.0)) / drafts if drafts else None
+        for i in sorted(after["per_pos"])
+    ]
+    return {
+        "drafts": int(drafts),
+        "draft_tokens": int(draft_tokens),
+        "accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": per_pos,
+    }
+
+
 def _make_prompts(args: argparse.Namespace, seed: int, num: int, tokenizer: Tokenizer | None) -> list[Prompt]:
     if args.dataset_name == "corpus":
         if tokenizer is None:
@@ -842,7 +899,9 @@ async def _run(
             run_config = RunConfig(**{**asdict(config), "max_concurrency": concurrency, "seed": args.seed + k})
             num = max(args.num_prompts, args.prompts_per_concurrency * (concurrency or 0))
             prompts = _make_prompts(args, args.seed + k, num, tokenizer)
+            spec_before = await asyncio.to_thread(spec_decode_counters, base_url, headers)
             results, duration, peak = await run_requests(client, prompts, run_config)
+            spec_after = await asyncio.to_thread(spec_decode_counters, base_url, headers)
             check_token_counts(results, tokenizer if not args.skip_token_check else None)
             run = {
                 "max_concurrency": concurrency,
@@ -854,6 +913,8 @@ async def _run(
                 "metrics": compute_metrics(results, duration, slos, percentiles),
                 "errors": dict(Counter(r.error for r in results if not r.success).most_common(10)),
             }
+            if spec_before is not None and spec_after is not None:
+                run["spec_decode"] = spec_decode_summary(spec_before, spec_after)
             if args.save_detailed:
                 run["requests"] = [asdict(r) for r in results]
             print(format_summary(run), flush=True)

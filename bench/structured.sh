@@ -5,7 +5,10 @@
 # The device has no network. vLLM runs need its peer staged and installed first
 # (../shared/peers/vllm_h100.sh stage 1; stage 2 && install), whose site (VB_SITE) also gives pagoda
 # an xgrammar. With XGR_WHEELS=DIR (carried wheels: xgrammar at the version pyproject pins, and what it
-# imports), pagoda runs take xgrammar from those instead; the version is in each row.
+# imports), pagoda runs take xgrammar from those instead; the version is in each row. On a machine without
+# vLLM's staged site those must include what the GPU image lacks: apache-tvm-ffi and pydantic (with
+# pydantic_core, annotated_types, typing_inspection), e.g. `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 -d .whl/xgr xgrammar==0.2.8 apache-tvm-ffi pydantic ...`.
 set -u
 SITE=${VB_SITE:-/root/vb_site}
 PAGODA_SITE=$SITE

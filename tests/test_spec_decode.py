@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench import latency
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, StepStats
@@ -517,6 +518,26 @@ def test_server_speculates_through_the_openai_sdk(tmp_path, default_server):
         assert drafts > 0 and accepted > 0
         assert metrics[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] > 0
         assert accepted <= metrics[("pagoda:spec_decode_num_draft_tokens_total", ())]
+        # `pagoda bench serve` reports what speculation did during a run from the same counters.
+        before = latency.spec_decode_counters(server.url)
+        client.base_url = f"{server.url}/v1"
+        client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=32, temperature=0.0)
+        summary = latency.spec_decode_summary(before, latency.spec_decode_counters(server.url))
+        assert summary["drafts"] > 0 and 0 < summary["accepted_tokens"] <= summary["draft_tokens"]
+        assert summary["acceptance_rate"] == summary["accepted_tokens"] / summary["draft_tokens"]
+        assert summary["acceptance_length"] == 1 + summary["accepted_tokens"] / summary["drafts"]
+        assert len(summary["per_position_acceptance"]) == 4 and summary["per_position_acceptance"][0] > 0
+        metrics = latency.compute_metrics([], 1.0, None, [50.0])
+        run = {"max_concurrency": 1, "request_rate": 1.0, "burstiness": 1.0, "peak_concurrency": 1, "metrics": metrics}
+        text = latency.format_summary(run | {"spec_decode": summary})
+        assert "Speculative Decoding" in text and "Position 3 acceptance (%):" in text
+        # A whole `pagoda bench serve` run against it carries the summary in its result.
+        result_file = tmp_path / "bench.json"
+        argv = ["--base-url", server.url, "--num-prompts", "2", "--random-input-len", "16", "--random-output-len", "8"]
+        assert latency.main([*argv, "--disable-tqdm", "--result-file", str(result_file)]) == 0
+        (run_,) = json.loads(result_file.read_text())["runs"]
+        assert 0 <= run_["spec_decode"]["accepted_tokens"] <= run_["spec_decode"]["draft_tokens"]
     finally:
         assert server.stop() == 0, server.log()[-3000:]
     assert not any("spec_decode" in name for name, _ in scrape(default_server.url))
+    assert latency.spec_decode_counters(default_server.url) is None
