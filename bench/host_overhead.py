@@ -49,6 +49,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from bench.throughput import ranged_workload  # after ROOT is on the path
 from engine import LLM, SamplingParams
+from engine.runner import model_runner
 
 # Qwen3 at a tiny size (one layer, 4 query and 2 KV heads of 8): W2's request shapes, a cheap forward.
 # W2's token ids are below 10,000.
@@ -104,7 +105,7 @@ class StepTimer:
         self._by_step: dict[int, dict] = {}
         runner, model, sampler = engine.runner, engine.runner.model, engine.runner.sampler
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(runner, "_metadata", "metadata")
+        self._wrap(model_runner, "attention_metadata", "metadata")  # the runner calls it by its module's name
         self._wrap(runner, "collect", "collect")
         self._wrap(engine.block_manager, "name_full_blocks", "name_blocks")
         self._wrap(model, "forward", "forward")
@@ -130,8 +131,9 @@ class StepTimer:
             outputs = complete(step)
             record["complete"] = time.perf_counter() - t0
             self.current = None
-            batched, prefill, generated = step.stats[:3]
-            self.records.append(_finish(record, batched, prefill, generated, len(step.scheduled)))
+            stats = step.stats
+            batched, prefill, generated = stats.num_batched_tokens, stats.num_prefill_tokens, stats.num_generated_tokens
+            self.records.append(_finish(record, batched, prefill, generated, len(step.plan.scheduled)))
             return outputs
 
         engine._launch, engine._complete = timed_launch, timed_complete
