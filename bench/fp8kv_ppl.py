@@ -19,14 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from bench.naming import results_path, short_commit
-from bench.quant_ppl import TEXT
+from bench.quant_ppl import text_windows, window_nll
 from engine.default_model import default_model_dir
 from engine.llm import LLM
-from engine.runner.step_inputs import attention_metadata
 from engine.sampling_params import SamplingParams
 
 # Variant -> (--kv-cache-dtype, --calculate-kv-scales).
@@ -38,29 +34,10 @@ VARIANTS = {
 }
 
 
-def chunked_nll(llm: LLM, ids: list[int], chunk: int) -> tuple[float, int]:
-    """Summed negative log-likelihood of ids[1:] given their prefixes, the sequence fed `chunk` tokens a
-    forward so that every chunk after the first reads the earlier ones from the KV cache (the engine must
-    be idle: its blocks are free to write)."""
-    runner = llm.engine.runner
-    table = list(range(math.ceil(len(ids) / runner.block_size)))
-    logits = []
-    with torch.no_grad():
-        for start in range(0, len(ids), chunk):
-            part = ids[start : start + chunk]
-            positions = np.arange(start, start + len(part))
-            meta = attention_metadata(runner.backend, runner.block_size, runner.device, [len(part)], positions, [table])
-            hidden = runner.model(torch.tensor(part, device=runner.device), torch.from_numpy(positions), meta)
-            logits.append(runner.model.compute_logits(hidden).float())
-    logprobs = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
-    target = torch.tensor(ids[1:], device=logprobs.device)
-    return -logprobs.gather(1, target[:, None]).sum().item(), len(ids) - 1
-
-
 def perplexity(llm: LLM, windows: list[list[int]], chunk: int) -> float:
     nll = count = 0
     for ids in windows:
-        a, b = chunked_nll(llm, ids, chunk)
+        a, b = window_nll(llm, ids, chunk)
         nll, count = nll + a, count + b
     return math.exp(nll / count)
 
@@ -78,13 +55,6 @@ def make_llm(model_dir: str, kv_cache_dtype: str, calculate_kv_scales: bool, win
         # The scales come from the first prompt step, as in serving: one short prompt before the scoring.
         llm.generate(["The Jargon File is a glossary of hacker slang."], SamplingParams(max_tokens=1), use_tqdm=False)
     return llm
-
-
-def text_windows(model_dir: str, tokens: int, window: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT.read_text())["input_ids"][:tokens]
-    return [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
 
 
 def main() -> None:

@@ -39,22 +39,28 @@ VARIANTS = {
 }
 
 
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] float32 logits of one sequence through the engine's model (the engine must be idle)."""
+def prompt_logits(llm: LLM, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of one sequence through the engine's model (the engine must be idle),
+    fed `chunk` tokens a forward (default: all at once), so that every chunk after the first reads the
+    earlier ones from the KV cache."""
     runner = llm.engine.runner
     block = runner.block_size
-    n = len(ids)
-    table = list(range(math.ceil(n / block)))  # the engine is idle: any blocks are free to write
-    positions = np.arange(n)
-    meta = attention_metadata(runner.backend, block, runner.device, [n], positions, [table])
+    table = list(range(math.ceil(len(ids) / block)))  # the engine is idle: any blocks are free to write
+    step = chunk or len(ids)
+    logits = []
     with torch.no_grad():
-        hidden = runner.model(torch.tensor(ids, device=runner.device), torch.from_numpy(positions), meta)
-        return runner.model.compute_logits(hidden).float()
+        for start in range(0, len(ids), step):
+            part = ids[start : start + step]
+            positions = np.arange(start, start + len(part))
+            meta = attention_metadata(runner.backend, block, runner.device, [len(part)], positions, [table])
+            hidden = runner.model(torch.tensor(part, device=runner.device), torch.from_numpy(positions), meta)
+            logits.append(runner.model.compute_logits(hidden).float())
+    return torch.cat(logits)
 
 
-def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
+def window_nll(llm: LLM, ids: list[int], chunk: int | None = None) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[1:] given their prefixes, and how many tokens that is."""
-    logprobs = torch.log_softmax(prompt_logits(llm, ids)[:-1], dim=-1)
+    logprobs = torch.log_softmax(prompt_logits(llm, ids, chunk)[:-1], dim=-1)
     target = torch.tensor(ids[1:], device=logprobs.device)
     return -logprobs.gather(1, target[:, None]).sum().item(), len(ids) - 1
 
