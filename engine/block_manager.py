@@ -165,9 +165,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s blocks. A named block that nobody holds stays in the cache, most recent last;
         blocks are released last to first, so a prefix's tail is evicted before its head."""
-        for block in reversed(seq.block_table):
-            self._release(block)
-        seq.block_table = []
+        self.trim(seq, 0)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks of `seq` past those that hold its first `num_tokens` tokens (speculative decoding:

@@ -453,7 +453,9 @@ class LLMEngine:
         draft_probs = None
         if proposed and self.runner.draft is not None:  # the draft model fills the drafts it was given room for
             speculating = [item for item in sched.scheduled if item.draft]
-            draft_probs = self.runner.draft.propose(speculating) if speculating else None
+            if speculating:
+                drafts, draft_probs = self.runner.draft.propose(speculating)
+                self.scheduler.drafted(speculating, drafts)
         sampling: list[tuple[Sequence, int]] = []
         for row, item in enumerate(sched.scheduled):
             if not item.samples:

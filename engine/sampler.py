@@ -107,6 +107,11 @@ def _race(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Te
     return (x - log_e.to(torch.float32)).argmax(dim=-1)
 
 
+def _upload_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    # Non-blocking: torch.tensor(list, device=cuda) would wait for the step's forward before copying.
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(device, non_blocking=True)
+
+
 # Speculative decoding with a draft model reads two more random streams per (seed, output index) besides the
 # one a row samples from: the draft's own draw and the acceptance test's uniform. Offsetting the seed gives
 # streams unrelated to the sampler's (uniforms() mixes the seed before use).
@@ -233,7 +238,8 @@ class Sampler:
         if mask is not None:
             apply_mask(x, mask)
         # Taken before the sampling below filters x in place.
-        held = x[torch.tensor(drafted.rows, device=x.device)] if drafted is not None else None
+        drafted_index = _upload_ids(drafted.rows, x.device) if drafted is not None else None
+        held = x[drafted_index] if drafted is not None else None
         random = step.random
         if random is None:
             token_ids = x.argmax(dim=-1)
@@ -243,8 +249,7 @@ class Sampler:
             token_ids = x.argmax(dim=-1)
             token_ids[random.index] = self._sample(x[random.index], random)
         if drafted is not None:
-            index = torch.tensor(drafted.rows, device=x.device)
-            token_ids[index] = self._accept(held, [rows[i] for i in drafted.rows], drafted)
+            token_ids[drafted_index] = self._accept(held, [rows[i] for i in drafted.rows], drafted)
         return self._logprobs(logits, rows, token_ids)
 
     def propose(self, logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -282,7 +287,7 @@ class Sampler:
         # draws from p (q = 0), so a fault of the draft model costs speed, never the output's distribution.
         broken = ~q.sum(dim=-1).isfinite()
         q = torch.where(broken[:, None], 0.0, q)
-        d = torch.tensor(drafted.tokens, device=x.device)[:, None]
+        d = _upload_ids(drafted.tokens, x.device)[:, None]
         p_d, q_d = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
         q_d = torch.where(broken, float("inf"), q_d)
         u = uniforms(random.seeds + ACCEPT_SALT, random.steps, 1)[:, 0]

@@ -299,6 +299,13 @@ class Scheduler:
             self.block_manager.fork(parent, child)
             self.add_running(child)
 
+    def drafted(self, items: list[ScheduledSeq], drafts: list[list[int]]) -> None:
+        """A draft model's tokens for the scheduled items it drafted for (in place of their placeholders); the
+        draft model has then seen each sequence's last token and all but the last of its draft tokens."""
+        for item, draft in zip(items, drafts):
+            item.draft = draft
+            item.seq.num_draft_computed = len(item.seq.token_ids) + len(draft) - 1
+
     def launched(
         self, out: SchedulerOutput, sampling: list[tuple[Sequence, int]], drafts: list[list[int]] | None = None
     ) -> LaunchedPlan:

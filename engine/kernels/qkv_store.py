@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv_fp8 import FP8_DTYPES
+from engine.kv_fp8 import is_fp8
 
 
 @triton.jit
@@ -212,7 +212,7 @@ def prepare_and_store(
     if rotary:
         assert positions.dim() == 1 and positions.shape[0] >= t and cos.shape[1] == head_dim // 2
         assert cos.stride() == sin.stride() and cos.stride(1) == 1
-    fp8 = k_cache.dtype in FP8_DTYPES
+    fp8 = is_fp8(k_cache.dtype)
     assert not fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
     if t == 0:
         return

@@ -24,7 +24,7 @@ from engine.sampler import DraftedRows, Sampler, SamplerRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
-from engine.spec_decode import expand_rows
+from engine.spec_decode import expand_rows, verify_row
 from engine.spec_decode.draft_model import DraftModel
 from engine.structured import StepMask
 
@@ -344,19 +344,8 @@ class ModelRunner:
 
     @staticmethod
     def _verify_rows(sampling: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[SamplerRow]:
-        """The sampler rows of a speculative step: position i of an entry's draft is sampled as output token
-        num_output_tokens + i, after the draft's first i tokens (its penalties, min_tokens and random stream
-        are those of that position)."""
-        rows = []
-        for (seq, _), draft in zip(sampling, drafts):
-            params = seq.request.params
-            history = seq.output_token_ids if params.reads_output_tokens else None
-            for i in range(len(draft) + 1):
-                output = [*history, *draft[:i]] if history is not None else []
-                rows.append(
-                    SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
-                )
-        return rows
+        """The sampler rows of a speculative step: one per scored position of each entry (verify_row)."""
+        return [verify_row(seq, draft, i) for (seq, _), draft in zip(sampling, drafts) for i in range(len(draft) + 1)]
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, mask: StepMask | None) -> None:

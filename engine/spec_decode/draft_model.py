@@ -34,9 +34,10 @@ from engine.layers.linear import can_prepack, prepack_linears
 from engine.loader import head_dim_of, load_model, read_hf_config
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_inputs import attention_metadata, upload
-from engine.sampler import Sampler, SamplerRow
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec_decode.rejection import verify_row
 
 log = logging.getLogger("pagoda.spec_decode")
 
@@ -91,10 +92,10 @@ class DraftModel:
             prepack_linears(self.model)
 
     @torch.inference_mode()
-    def propose(self, items: list[ScheduledSeq]) -> dict[int, torch.Tensor | None]:
-        """Fill each item's draft (scheduled with len(item.draft) placeholder tokens) with the draft model's
-        tokens; per seq_id, the distributions q they were drawn from ([k, vocab]; None for a greedy request,
-        whose draft is the draft model's argmax)."""
+    def propose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], dict[int, torch.Tensor | None]]:
+        """The draft model's tokens for each item (scheduled with len(item.draft) placeholder tokens), which
+        the scheduler records (Scheduler.drafted), and per seq_id the distributions q they were drawn from
+        ([k, vocab]; None for a greedy request, whose draft is the draft model's argmax)."""
         seqs = [item.seq for item in items]
         ks = [len(item.draft) for item in items]
         ends = [len(seq.token_ids) for seq in seqs]  # every token is known: a speculating sequence has none pending
@@ -103,7 +104,7 @@ class DraftModel:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for i in range(max(ks)):
-            rows = [self._row(seqs[j], drafts[j], i) for j in active]
+            rows = [verify_row(seqs[j], drafts[j], i) for j in active]  # drafted as the target will check it
             tokens, q = self.sampler.propose(logits, rows)
             for r, (j, token) in enumerate(zip(active, tokens.tolist())):
                 drafts[j].append(token)
@@ -117,18 +118,7 @@ class DraftModel:
             positions = np.array([ends[j] + i for j in active], dtype=np.int64)
             hidden = self._forward(token_ids, positions, [1] * len(active), [seqs[j].block_table for j in active])
             logits = self.model.compute_logits(hidden)
-        for item, seq, draft, end in zip(items, seqs, drafts, ends):
-            item.draft = draft
-            seq.num_draft_computed = end + len(draft) - 1  # its last token and all but its last draft token
-        return {seq.seq_id: torch.stack(q) if q else None for seq, q in zip(seqs, probs)}
-
-    @staticmethod
-    def _row(seq: Sequence, draft: list[int], i: int) -> SamplerRow:
-        """Draft position i is sampled as the target samples it: output index num_output_tokens + i, after
-        the draft's first i tokens (engine/runner/model_runner.py's verify rows)."""
-        params = seq.request.params
-        output = [*seq.output_token_ids, *draft] if params.reads_output_tokens else []
-        return SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
+        return drafts, {seq.seq_id: torch.stack(q) if q else None for seq, q in zip(seqs, probs)}
 
     def _catch_up(self, seqs: list[Sequence], ends: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens it has not seen, through its last one, in forwards of at

@@ -19,11 +19,24 @@ reproducible: t_i depends only on the seed, the output index and the logits.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from engine.sampler import SamplerRow
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
 T = TypeVar("T")
+
+
+def verify_row(seq: Sequence, draft: list[int], i: int) -> SamplerRow:
+    """The sampler row of draft position i: output token num_output_tokens + i, after the draft's first i
+    tokens (its penalties, min_tokens and random stream are those of that position)."""
+    params = seq.request.params
+    output = [*seq.output_token_ids, *draft[:i]] if params.reads_output_tokens else []
+    return SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
 
 
 def expand_rows(entries: list[T], drafts: list[list[int]]) -> list[T]:

@@ -58,6 +58,9 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.cost_ratio = cost_ratio
+        # No probes when no draft length pays even if every token were accepted (c >= 1: a draft model about
+        # as costly as the model, such as the model drafting for itself).
+        self.probes = best_num_tokens(np.ones(1), config.num_speculative_tokens, cost_ratio)[0] > 0
         self.stats: dict[int, _Acceptance] = {}  # seq_id -> its recent drafts (decoding sequences only)
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
@@ -88,13 +91,10 @@ class Speculator:
         self.stats = {s.seq_id: self.stats.get(s.seq_id) or _Acceptance() for s in decoding}
         stats = [self.stats[s.seq_id] for s in decoding]
         k = best_num_tokens(np.array([st.rate for st in stats]), self.config.num_speculative_tokens, self.cost_ratio)
-        # No probes when no draft length pays even if every token were accepted (c >= 1: a draft model about
-        # as costly as the model, such as the model drafting for itself).
-        probes = best_num_tokens(np.ones(1), self.config.num_speculative_tokens, self.cost_ratio)[0] > 0
         for i, st in enumerate(stats):
             if k[i] == 0:
                 st.idle += 1
-                if st.idle >= _PROBE_EVERY and probes:
+                if st.idle >= _PROBE_EVERY and self.probes:
                     k[i], st.idle = 1, 0
         # Room left: the step emits up to k + 1 tokens, which must stay within max_tokens and the context.
         room = np.array(
