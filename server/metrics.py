@@ -133,14 +133,14 @@ class SpecDecodeMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative steps: a draft proposed for a sequence.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.per_position = per_position  # position label -> counter
+        self.per_position = per_position  # per draft position, its counter series
 
     def on_step(self, stats: StepStats) -> None:
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
         for position, count in enumerate(stats.num_accepted_tokens_per_pos or ()):
-            self.per_position(position).inc(count)
+            self.per_position[position].inc(count)
 
 
 class Metrics:
@@ -253,11 +253,9 @@ class Metrics:
                 ["model_name", "position"],
                 registry=self.registry,
             )
-            for position in range(spec_decode):  # every series exists from the start, at 0
-                per_pos.labels(model_name=model_name, position=str(position))
-            self.spec_decode = SpecDecodeMetrics(
-                counter, lambda position: per_pos.labels(model_name=model_name, position=str(position))
-            )
+            # Every series exists from the start, at 0, resolved once (labels() takes a lock and a lookup).
+            series = [per_pos.labels(model_name=model_name, position=str(p)) for p in range(spec_decode)]
+            self.spec_decode = SpecDecodeMetrics(counter, series)
         self._model_name = model_name
 
     def set_cache_config(self, labels: dict[str, str]) -> None:

@@ -222,7 +222,7 @@ class ResponsesRequest(RequestBody):
     # document gives the values that ask for nothing.
     truncation: Literal["auto", "disabled"] = Field("disabled", json_schema_extra={"const": "disabled"})
     background: StrictBool = Field(False, json_schema_extra={"const": False})
-    include: list[str] | None = Field(None, max_length=0)
+    include: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})
     top_logprobs: Int | None = Field(None, json_schema_extra={"const": 0})
     reasoning: dict[str, Any] | None = Field(None, json_schema_extra={"additionalProperties": {"type": "null"}})
     conversation: Any = NOT_SUPPORTED
