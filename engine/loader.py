@@ -138,14 +138,19 @@ def load_model(
 _KV_SCALE = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
-def _load_kv_scale(model: nn.Module, name: str, f) -> bool:
+def _load_kv_scale(model: nn.Module, name: str, f, file: Path) -> bool:
     """Copy a layer's k_scale / v_scale tensor into its Attention's scale (used with an fp8 KV cache);
     False when `name` is not one."""
     match = _KV_SCALE.fullmatch(name)
     if match is None:
         return False
-    layer = model.attention_layers()[int(match[1])]
-    getattr(layer, f"{match[2]}_scale").copy_(f.get_tensor(name).float().reshape(1))
+    layers = model.attention_layers()
+    if int(match[1]) >= len(layers):
+        raise ModelLoadError(file, f"{name}: config.json describes {len(layers)} layers")
+    scale = f.get_tensor(name)
+    if scale.numel() != 1:
+        raise ModelLoadError(file, f"{name} holds {scale.numel()} values; a K/V scale is one per layer")
+    getattr(layers[int(match[1])], f"{match[2]}_scale").copy_(scale.float().reshape(1))
     return True
 
 
@@ -169,7 +174,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, s
             try:
                 with safe_open(str(file), framework="pt", device=str(device)) as f:
                     for name in f.keys():
-                        if _load_kv_scale(model, name, f):
+                        if _load_kv_scale(model, name, f, file):
                             loaded.add(name)
                             continue
                         module, _, suffix = name.rpartition(".")
@@ -187,6 +192,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, s
                 raise ModelLoadError(file, f"{exc.args[0]} (does config.json describe this checkpoint?)") from None
             except ValueError as exc:  # load_weight: a shape that contradicts config.json
                 raise ModelLoadError(file, str(exc)) from None
+            except torch.OutOfMemoryError:  # the device is full, the file is fine
+                raise
             except Exception as exc:  # safetensors' own errors: a truncated file, a garbage header
                 raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
         # A quantized layer's weight is its packed tensors (whatever module replaces it).

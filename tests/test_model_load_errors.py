@@ -139,6 +139,13 @@ def _config_missing_key(path: Path) -> Path:
     return config
 
 
+def _kv_scale_past_the_layers(path: Path) -> Path:
+    name = "model.layers.0.self_attn.k_proj.weight"
+    shard = _shard_of(path, name)
+    _rewrite(shard, lambda t: t.__setitem__("model.layers.99.self_attn.k_scale", torch.tensor(1.0)))
+    return shard
+
+
 def _invalid_json(name: str):
     def corrupt(path: Path) -> Path:
         (path / name).write_text('{"oops": ')
@@ -172,6 +179,8 @@ CORRUPTIONS = {
     "invalid tokenizer.json": (_invalid_json("tokenizer.json"), "invalid JSON"),
     "invalid tokenizer_config.json": (_invalid_json("tokenizer_config.json"), "invalid JSON"),
     "missing tokenizer.json": (_missing_tokenizer_json, "tokenizer"),
+    "k_scale of a layer past config.json's": (_kv_scale_past_the_layers, "layers.99.self_attn.k_scale"),
+    "invalid quantize_config.json": (_invalid_json("quantize_config.json"), "invalid JSON"),
 }
 
 

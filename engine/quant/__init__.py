@@ -13,7 +13,6 @@ whatever the packing, and one kernel serves GPTQ, AWQ and compressed-tensors ali
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +163,9 @@ class QuantScheme(ABC):
 
 
 def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    from engine.loader import read_json  # the loader imports this package: imported at use, not at the top
+
+    return read_json(path) if path.is_file() else None
 
 
 def checkpoint_quantization(hf_config: dict, model_dir: str | Path) -> dict | None:
