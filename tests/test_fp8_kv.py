@@ -366,6 +366,46 @@ def test_preemption_and_prefix_caching_do_not_change_fp8_outputs(tiny_model_dir)
         assert llm.engine.block_manager.prefix_hit_tokens - before >= 96 + 64 + 32
 
 
+def test_triton_fp8_whole_chunked_cached_and_preempted_prompts_agree(tiny_model_dir):
+    """The Triton backend over an fp8 cache (the interpreter on the CPU): whole fresh prompts attend through
+    prefill_fresh to the k/v the store rounded back, chunks and prefix hits through the paged prefill over
+    the cache, and recomputed prompts after preemption through either; all give the same greedy tokens,
+    and logprobs that differ by summation order only: measured up to 1e-6, and 6.7e-2 when whole prompts
+    attend to unrounded k/v (the store without its write-back)."""
+    from engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (3, 21, 40)]
+    prompts.append(prompts[2][:36] + [7, 8])  # shares two full blocks with the previous prompt
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    modes = {
+        "batch": {"num_gpu_blocks_override": 64},
+        "chunked": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 64},
+        "preempt": {"num_gpu_blocks_override": 7, "max_model_len": 64},
+    }
+    outs, logprobs = {}, {}
+    for mode, kwargs in modes.items():
+        llm = LLM(
+            str(tiny_model_dir("qwen3")), dtype="float32", device=DEV, attention_backend="triton",
+            kv_cache_dtype="fp8", **kwargs,
+        )  # fmt: skip
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs[mode] = [o.token_ids for o in outputs]
+        logprobs[mode] = torch.tensor([[t.logprob for t in o.logprobs] for o in outputs])
+        if mode == "preempt":
+            assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+        if mode == "batch":
+            # Alone again: its first two blocks come from the prefix cache (the paged prefill this time).
+            hits = llm.engine.block_manager.prefix_hit_tokens
+            again = llm.generate([prompts[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert llm.engine.block_manager.prefix_hit_tokens - hits == 32 and again == outs["batch"][3]
+    assert outs["chunked"] == outs["batch"] and outs["preempt"] == outs["batch"]
+    for mode in ("chunked", "preempt"):
+        diff = (logprobs[mode] - logprobs["batch"]).abs().max().item()
+        print(f"fp8 triton {mode}: logprobs differ from whole prompts' by up to {diff:.2e}")
+        assert diff < 1e-4, (mode, diff)
+
+
 def test_calculated_scales_are_set_by_the_first_prompt_then_kept(tiny_model_dir):
     llm = _llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", calculate_kv_scales=True, max_model_len=192)
     layers = llm.engine.runner.model.attention_layers()
@@ -520,18 +560,25 @@ def test_cuda_graphs_read_scales_calculated_after_capture(tiny_model_dir):
 def test_cuda_triton_fp8_engine_matches_the_torch_reference(tiny_model_dir):
     """The Triton fp8 path end to end (fused quantizing store, paged prefill and split-KV decode over fp8,
     CUDA graphs) against the torch backend over the same fp8 cache: float32 model, scale 1.0 (division
-    exact), both casting with round-to-nearest-even, so the greedy tokens agree. (Under the CPU
-    interpreter the Triton cast rounds differently: see test_store_quantizes_like_the_reference.)"""
+    exact), both casting with round-to-nearest-even, so the greedy tokens agree. Whole prompts take
+    prefill_fresh over the k/v the store rounded back; with chunked prefill (32-token steps) they take the
+    paged prefill over the cache instead, and give the same tokens. (Under the CPU interpreter the Triton
+    cast rounds differently: see test_store_quantizes_like_the_reference.)"""
     from engine import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (3, 21, 40, 100)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
-    for backend in ("torch", "triton"):
+    for name, backend, kwargs in (
+        ("torch", "torch", {}),
+        ("triton", "triton", {}),
+        ("triton chunked", "triton", dict(max_num_batched_tokens=32)),
+    ):
         llm = LLM(
             str(tiny_model_dir("qwen3")), dtype="float32", device="cuda", num_gpu_blocks_override=64,
-            kv_cache_dtype="fp8", attention_backend=backend, max_model_len=192,
+            kv_cache_dtype="fp8", attention_backend=backend, max_model_len=192, **kwargs,
         )  # fmt: skip
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
+    assert outs["triton chunked"] == outs["triton"]
