@@ -406,22 +406,31 @@ def test_triton_fp8_whole_chunked_cached_and_preempted_prompts_agree(tiny_model_
         assert diff < 1e-4, (mode, diff)
 
 
-def test_calculated_scales_are_set_by_the_first_prompt_then_kept(tiny_model_dir):
-    llm = _llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", calculate_kv_scales=True, max_model_len=192)
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_calculated_scales_are_set_by_the_first_prompt_then_kept(tiny_model_dir, backend):
+    from engine import SamplingParams
+
+    kw = dict(kv_cache_dtype="fp8", max_model_len=192, attention_backend=backend)
+    llm = _llm(tiny_model_dir("qwen3"), calculate_kv_scales=True, **kw)
     layers = llm.engine.runner.model.attention_layers()
     assert all(a.k_scale.item() == 1.0 and a.calibrate_kv_scales for a in layers)
-    first = _greedy(llm, [[5, 9, 200, 31, 7, 8, 100, 3]], 8, True)[0].token_ids
+    prompt = [[5, 9, 200, 31, 7, 8, 100, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     scales = [(a.k_scale.item(), a.v_scale.item()) for a in layers]
     assert all(0 < s != 1.0 for pair in scales for s in pair) and not any(a.calibrate_kv_scales for a in layers)
     _greedy(llm, [[300, 301, 302, 303] * 10], 8, True)
     assert scales == [(a.k_scale.item(), a.v_scale.item()) for a in layers]  # frozen
     # The scale maps the first prompt's largest |k| (after its norm and rotary) onto the fp8 maximum: a
-    # rerun of that prompt through a fresh engine with these scales gives the same tokens.
-    again = _llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", max_model_len=192)
+    # rerun of that prompt through a fresh engine with these scales gives the same tokens and logprobs
+    # (the calibrating step attends to its k/v rounded once, with the new scales, as the rerun does).
+    again = _llm(tiny_model_dir("qwen3"), **kw)
     for a, (ks, vs) in zip(again.engine.runner.model.attention_layers(), scales):
         a.k_scale.fill_(ks)
         a.v_scale.fill_(vs)
-    assert _greedy(again, [[5, 9, 200, 31, 7, 8, 100, 3]], 8, True)[0].token_ids == first
+    rerun = again.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert rerun.token_ids == first.token_ids
+    assert [t.logprob for t in rerun.logprobs] == [t.logprob for t in first.logprobs]
 
 
 def test_checkpoint_kv_scales_load(tiny_model_dir, tmp_path):
