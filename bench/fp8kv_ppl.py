@@ -2,9 +2,10 @@
 model-dtype (auto) cache, on the CPU.
 
 Each window (--window tokens) is fed in chunks of --chunk tokens, each chunk attending to the earlier
-ones through the KV cache as decoding reads it (over an fp8 cache a prompt reads the cache too, so the
-chunking changes only how the work is split); every variant is scored the same way, so the difference
-is the cache's storage only. The text is bench/data/jargon-file-4.4.7.txt, as in bench/quant_ppl.py.
+ones through the KV cache as decoding reads it (over an fp8 cache a whole prompt attends to its own k/v
+rounded to the cache's values, so the chunking changes only how the work is split); every variant is
+scored the same way, so the difference is the cache's storage only. The text is
+bench/data/jargon-file-4.4.7.txt, as in bench/quant_ppl.py.
 
     python -m bench.fp8kv_ppl [--tokens 4096] [--window 512] [--chunk 64] [--variants auto fp8 ...]
 """

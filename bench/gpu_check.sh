@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv long
+#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -56,12 +56,18 @@ for step in "$@"; do
     ttft-pgt*) python3 bench/gpu_check.py ttft --max-prefill-graph-tokens ${step##*-pgt} ;;
     w1-pgt*|w2-pgt*) python3 bench/gpu_check.py workload ${step%%-*} --backend triton --max-prefill-graph-tokens ${step##*-pgt} ;;
     w1|w2) python3 bench/gpu_check.py workload $step --backend triton ;;
-    # The fp8 KV cache: its CUDA tests, then W2 and W1 with the bf16 cache and the fp8 one, alternating.
-    fp8kv) python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py -k "cuda or reads or store or without_scales" 2>&1 \
-             | tee $OUT/pytest-cuda-fp8kv.log | tail -5
-           for w in w2 w1; do for kv in auto fp8; do
-             python3 bench/gpu_check.py workload $w --backend triton --kv-cache-dtype $kv 2>&1 | grep -E "RESULT|Error" | cut -c1-400
-           done; done ;;
+    # The fp8 KV cache: fp8kv-tests its CUDA tests; fp8kv those, then W2 and W1 with the bf16 cache and the fp8
+    # one, alternating; fp8kv-ab two rounds of W2 and W1, auto then fp8, one process each, no tests.
+    fp8kv|fp8kv-tests) python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py \
+             "tests/test_cuda.py::test_no_triton_kernel_compiles_after_start_up[fp8]" \
+             -k "cuda or reads or store or without_scales or written_back or whole_chunked" 2>&1 \
+             | tee $OUT/pytest-cuda-fp8kv.log | tail -5 ;;&
+    fp8kv|fp8kv-ab) for round in $(seq $([ $step = fp8kv-ab ] && echo 2 || echo 1)); do
+             for w in w2 w1; do for kv in auto fp8; do
+               python3 bench/gpu_check.py workload $w --backend triton --kv-cache-dtype $kv 2>&1 | grep -E "RESULT|Error" | cut -c1-400
+             done; done
+           done ;;
+    fp8kv-tests) ;;
     # Batch 64 decode at 8k contexts, Llama-3-8B shape: bf16 vs fp8 KV cache, tok/s and pool size in tokens.
     # One process per dtype: an engine's memory is not all returned to the device when it is deleted.
     long) for kv in auto fp8; do

@@ -111,7 +111,7 @@ from bench.compiles import count_compiles
 from engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", load_format="dummy", num_gpu_blocks_override=1024,
           max_model_len=2048, max_num_batched_tokens=512, max_prefill_graph_tokens=64,
-          enforce_eager=sys.argv[2] == "eager", fa4_prefill_min_tokens=int(sys.argv[3]))
+          enforce_eager=sys.argv[2] == "eager", fa4_prefill_min_tokens=int(sys.argv[3]), kv_cache_dtype=sys.argv[4])
 gen = torch.Generator().manual_seed(3)
 prompts = [torch.randint(100, 150000, (n,), generator=gen).tolist() for n in (5, 17, 300, 1000, 64, 33, 700, 2)]
 params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -123,7 +123,7 @@ print(json.dumps({"backend": llm.engine.runner.backend.name, "compiled": dict(co
 """
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager", "fa4"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "fa4", "fp8"])
 def test_no_triton_kernel_compiles_after_start_up(mode):
     """Serving steps of every kind (fresh prompts of odd and even token counts, chunked prompts,
     prompt steps beside decodes, a prefix-cache hit; graph and eager steps, or eager only) compile
@@ -133,7 +133,8 @@ def test_no_triton_kernel_compiles_after_start_up(mode):
     so that no earlier test compiled a kernel for it; a fixed pool, so that the start-up
     profiling forward (which calls the fresh-prompt kernel too) does not run. With flash-attn-4
     taking prompt chunks of 256+ tokens (`fa4`: the 300-token prompt alone, the 512-token chunks
-    of the 1,000-token prompt, after its cached first chunk), its two kernels compile at start-up too."""
+    of the 1,000-token prompt, after its cached first chunk), its two kernels compile at start-up too.
+    `fp8`: graphs over an fp8 KV cache (the store's write-back variant, the fp8 paged kernels)."""
     if mode == "fa4" and not fa4_on_hopper():
         pytest.skip(NEEDS_FA4)
     import json
@@ -141,7 +142,12 @@ def test_no_triton_kernel_compiles_after_start_up(mode):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    args = [str(CONFIGS / "qwen3-0.6b"), "graphs" if mode == "fa4" else mode, "256" if mode == "fa4" else "0"]
+    args = [
+        str(CONFIGS / "qwen3-0.6b"),
+        "graphs" if mode in ("fa4", "fp8") else mode,
+        "256" if mode == "fa4" else "0",
+        "fp8" if mode == "fp8" else "auto",
+    ]
     result = subprocess.run(
         [sys.executable, "-c", _NO_COMPILE_SCRIPT, *args], cwd=root, capture_output=True, text=True, timeout=600
     )

@@ -69,7 +69,7 @@ def select_backend(
                 "prompt steps with a prompt chunk of %d+ tokens attend through flash-attn-4", fa4_prefill_min_tokens
             )
             return TritonFa4Backend(device, fa4_prefill_min_tokens)
-        return TritonBackend(device, kv_fp8=fp8)
+        return TritonBackend(device)
     if name == "flash_attn":
         if fp8:
             raise ValueError(

@@ -139,6 +139,14 @@ class Attention(nn.Module):
         # attending, it ends one graph at this layer's attention and begins the next.
         self.split = None
 
+    @property
+    def rounds_kv_back(self) -> bool:
+        """Whether `write_kv` also rewrites the step's k and v in place as an fp8 cache holds them
+        (dequantize(quantize(x))), so that whole fresh prompts attending to their own k/v see the cache's
+        values. Not in the first store of a --calculate-kv-scales step: _calibrate takes its scales from
+        the unrounded values and stores them again."""
+        return kv_fp8.is_fp8(self.k_cache.dtype) and not self.calibrate_kv_scales
+
     def forward(
         self,
         q: torch.Tensor,
@@ -164,5 +172,5 @@ class Attention(nn.Module):
         K/V are stored again with them (the first store used the old ones). Only once."""
         self.k_scale.copy_(kv_fp8.amax_scale(k, self.k_cache.dtype))
         self.v_scale.copy_(kv_fp8.amax_scale(v, self.v_cache.dtype))
+        self.calibrate_kv_scales = False  # first: this store rounds k and v back (rounds_kv_back)
         self.backend.write_kv(self, q, k, v, meta, None)  # q and k are prepared already
-        self.calibrate_kv_scales = False

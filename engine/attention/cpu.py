@@ -77,7 +77,9 @@ class CpuFp8Backend(CpuBackend):
 
     def write_kv(self, layer, q, k, v, meta, prep):
         q, k = _prepare(q, k, prep)
-        torch_ref.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+        torch_ref.store_kv(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale, layer.rounds_kv_back
+        )
         return q, k
 
     def prefill(self, layer, q, k, v, meta, out):

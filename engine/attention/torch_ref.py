@@ -15,7 +15,9 @@ class TorchBackend(AttentionBackend):
     def write_kv(self, layer, q, k, v, meta, prep):
         if prep is not None:
             q, k = prep.apply(q, k)
-        store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+        store_kv(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale, layer.rounds_kv_back
+        )
         return q, k
 
     def prefill(self, layer, q, k, v, meta, out):
@@ -33,13 +35,19 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    write_back: bool = False,
 ) -> None:
     """Write each new token's K/V row into its cache slot (no padding slots); an fp8 cache takes them
-    divided by the scales (engine/kv_fp8.py)."""
+    divided by the scales (engine/kv_fp8.py), and with `write_back` k and v are rewritten in place as the
+    cache reads them (Attention.rounds_kv_back)."""
     kvh, d = k.shape[1], k.shape[2]
     if kv_fp8.is_fp8(k_cache.dtype):
-        k = kv_fp8.quantize(k, k_scale, k_cache.dtype)
-        v = kv_fp8.quantize(v, v_scale, v_cache.dtype)
+        k8 = kv_fp8.quantize(k, k_scale, k_cache.dtype)
+        v8 = kv_fp8.quantize(v, v_scale, v_cache.dtype)
+        if write_back:
+            k.copy_(kv_fp8.dequantize(k8, k_scale, k.dtype))
+            v.copy_(kv_fp8.dequantize(v8, v_scale, v.dtype))
+        k, v = k8, v8
     kv_fp8.raw(k_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, kv_fp8.raw(k))
     kv_fp8.raw(v_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, kv_fp8.raw(v))
 
@@ -90,14 +98,14 @@ def prefill(
     # Sequences with nothing cached before this step (the common prompt) attend to this step's
     # own k/v, and those of one length share a single causal call; the others (chunks after
     # cached context, decodes in a mixed batch) gather their context from the cache one by one.
-    # Over an fp8 cache every sequence reads the cache: a token then sees the same (rounded) keys
-    # whether its prompt came whole, in chunks, after a prefix-cache hit or recomputed after preemption.
-    from_cache = kv_fp8.is_fp8(layer.k_cache.dtype)
+    # Over an fp8 cache the store has rounded k and v to the cache's values (Attention.rounds_kv_back):
+    # a token sees the same keys whether its prompt came whole, in chunks, after a prefix-cache hit or
+    # recomputed after preemption.
     fresh: dict[int, list[int]] = {}
     for s in range(len(meta.seq_lens)) if seqs is None else seqs:
         seq_len = meta.seq_lens[s]
         start, end = meta.query_start[s], meta.query_start[s + 1]
-        if end - start == seq_len and not from_cache:
+        if end - start == seq_len:
             fresh.setdefault(seq_len, []).append(start)
             continue
         out[start:end] = _attend_cached(layer, q[start:end], s, seq_len, meta)

@@ -1,10 +1,10 @@
 """The triton backend: pagoda's own kernels (engine/kernels), the default on CUDA.
 
-Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v; not over
-an fp8 cache, see __init__), the rest (chunks after cached context, decodes beside prompts) to
-`paged_prefill` through the block tables; decode batches to the split-KV `paged_decode`. On a Hopper
-GPU with flash-attn-4 installed, `TritonFa4Backend` (flash_attn.py) sends prompt steps with a long
-query run there instead.
+Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v, which over
+an fp8 cache the store has rounded to the cache's values), the rest (chunks after cached context,
+decodes beside prompts) to `paged_prefill` through the block tables; decode batches to the split-KV
+`paged_decode`. On a Hopper GPU with flash-attn-4 installed, `TritonFa4Backend` (flash_attn.py) sends
+prompt steps with a long query run there instead.
 """
 
 from __future__ import annotations
@@ -25,18 +25,13 @@ class TritonBackend(AttentionBackend):
     # the two prompt-step kernels; the decode kernels compile in the graph captures.
     warmup_prompt_lens = ((9, 8),)
 
-    def __init__(self, device: torch.device, kv_fp8: bool = False):
+    def __init__(self, device: torch.device):
         # Triton loads here, not at import: the CPU builds of torch come without it.
         from engine.kernels import attention, decode, prefill_fresh, qkv_store
 
         self.store = qkv_store.prepare_and_store
         self.paged_prefill, self.paged_decode = attention.paged_prefill, decode.paged_decode
         self.fresh_fits, self.prefill_fresh = prefill_fresh.fresh_prefill_fits, prefill_fresh.prefill_fresh
-        if kv_fp8:
-            # Over an fp8 cache every prompt reads the (rounded) cache through paged_prefill, never its own
-            # unrounded k/v: a token then sees the same keys whether its prompt came whole, in chunks, after
-            # a prefix-cache hit or recomputed after preemption, and the greedy output does not depend on it.
-            self.fresh_fits = lambda q, k, v: False
         self.decode_num_splits = decode.decode_num_splits
         self.ops = triton_ops_table()
         # The decode split count aims at a number of programs per SM of this device.
@@ -46,7 +41,8 @@ class TritonBackend(AttentionBackend):
         rope = {} if prep is None else dict(positions=prep.positions, cos=prep.rotary.cos, sin=prep.rotary.sin)
         if prep is not None and prep.q_norm is not None:
             rope.update(q_norm=prep.q_norm.weight, k_norm=prep.k_norm.weight, eps=prep.q_norm.eps)
-        # q, k in place; the scales matter only to an fp8 cache
+        # q, k in place; the scales matter only to an fp8 cache, whose rounded k and v go back in place too
+        # (Attention.rounds_kv_back), so prefill_fresh over them sees what paged_prefill reads from the cache.
         self.store(
             q,
             k,
@@ -57,6 +53,7 @@ class TritonBackend(AttentionBackend):
             **rope,
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
+            write_back=layer.rounds_kv_back,
         )
         return q, k
 

@@ -70,6 +70,17 @@ def _to_cache(x, scale_ptr, cache_dtype: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _store_rounded(
+    p, c, x, scale_ptr, mask, valid, dtype: tl.constexpr, cache_dtype: tl.constexpr, FP8_MAX: tl.constexpr
+):
+    """x into the fp8 cache at c (quantized), and back at p as the cache reads it: the stored value x
+    scale in `dtype`, as engine/kv_fp8.py's dequantize(quantize(x))."""
+    stored = _to_cache(x, scale_ptr, cache_dtype, FP8_MAX)
+    tl.store(c, stored, mask=mask & valid)
+    tl.store(p, (stored.to(tl.float32) * tl.load(scale_ptr)).to(dtype), mask=mask)
+
+
+@triton.jit
 def _qkv_store_kernel(
     pos_ptr,
     q_ptr,
@@ -113,6 +124,7 @@ def _qkv_store_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr = 0.0,
+    WRITE_BACK: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -162,18 +174,34 @@ def _qkv_store_kernel(
         NORM,
         ROTARY,
     )
-    # Back in place too: a prompt with nothing cached attends to the step's own k (prefill_fresh).
-    tl.store(p1, k1, mask=mask)
-    tl.store(p2, k2, mask=mask)
-    c1, c2, _ = _halves(kc_ptr + block * kc_sb + offset * kc_so, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
     cache_dtype: tl.constexpr = kc_ptr.dtype.element_ty
-    tl.store(c1, _to_cache(k1, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
-    tl.store(c2, _to_cache(k2, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+    if WRITE_BACK:
+        # An fp8 cache: k and v also go back in place as the cache will read them, so that prefill_fresh
+        # over the step's own k/v sees the cache's values. Every row goes back (a negative slot stores
+        # nothing in the cache, but its q and k are prepared anyway).
+        kc_row = kc_ptr + block * kc_sb + offset * kc_so
+        c1, c2, _ = _halves(kc_row, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        _store_rounded(p1, c1, k1, ks_ptr, mask, valid, dtype, cache_dtype, FP8_MAX)
+        _store_rounded(p2, c2, k2, ks_ptr, mask, valid, dtype, cache_dtype, FP8_MAX)
+        p1, p2, mask = _halves(v_ptr + t * v_st, v_sh, v_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        vc_row = vc_ptr + block * vc_sb + offset * vc_so
+        c1, c2, _ = _halves(vc_row, vc_sh, vc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        _store_rounded(p1, c1, tl.load(p1, mask=mask, other=0.0), vs_ptr, mask, valid, dtype, cache_dtype, FP8_MAX)
+        _store_rounded(p2, c2, tl.load(p2, mask=mask, other=0.0), vs_ptr, mask, valid, dtype, cache_dtype, FP8_MAX)
+    else:
+        # Back in place too: a prompt with nothing cached attends to the step's own k (prefill_fresh).
+        tl.store(p1, k1, mask=mask)
+        tl.store(p2, k2, mask=mask)
+        kc_row = kc_ptr + block * kc_sb + offset * kc_so
+        c1, c2, _ = _halves(kc_row, kc_sh, kc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        tl.store(c1, _to_cache(k1, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+        tl.store(c2, _to_cache(k2, ks_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
 
-    p1, p2, mask = _halves(v_ptr + t * v_st, v_sh, v_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
-    c1, c2, _ = _halves(vc_ptr + block * vc_sb + offset * vc_so, vc_sh, vc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
-    tl.store(c1, _to_cache(tl.load(p1, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
-    tl.store(c2, _to_cache(tl.load(p2, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+        p1, p2, mask = _halves(v_ptr + t * v_st, v_sh, v_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        vc_row = vc_ptr + block * vc_sb + offset * vc_so
+        c1, c2, _ = _halves(vc_row, vc_sh, vc_sd, n_kv_heads, half, BLOCK_HK, BLOCK_HALF)
+        tl.store(c1, _to_cache(tl.load(p1, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
+        tl.store(c2, _to_cache(tl.load(p2, mask=mask & valid), vs_ptr, cache_dtype, FP8_MAX), mask=mask & valid)
 
 
 def prepare_and_store(
@@ -191,6 +219,7 @@ def prepare_and_store(
     eps: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    write_back: bool = False,
 ) -> None:
     """q [T, H, D], k and v [T, KVH, D] (any strides, e.g. views of a fused qkv output).
 
@@ -214,6 +243,7 @@ def prepare_and_store(
         assert cos.stride() == sin.stride() and cos.stride(1) == 1
     fp8 = is_fp8(k_cache.dtype)
     assert not fp8 or (k_scale is not None and v_scale is not None), "an fp8 cache needs k_scale and v_scale"
+    assert fp8 or not write_back, "write_back rounds to an fp8 cache's values"
     if t == 0:
         return
     half = head_dim // 2
@@ -251,6 +281,7 @@ def prepare_and_store(
         BLOCK_HK=triton.next_power_of_2(kv_heads),
         BLOCK_HALF=block_half,
         FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+        WRITE_BACK=write_back,
         num_warps=4 if block_hq * block_half >= 1024 else 1,
         # Without this the compiler narrows the float32 steps to native bf16/fp16 ops and fuses
         # a product with the sum into one fma, skipping the product's rounding.
