@@ -283,6 +283,9 @@ class LLMEngine:
         bad_bias = next((t for t in (params.logit_bias or {}) if not 0 <= int(t) < vocab), None)
         if bad_bias is not None:
             raise InvalidParameter("logit_bias", f"logit_bias token id {bad_bias} is outside the vocabulary")
+        bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:  # it could never be sampled: a mistake, not a stop condition
+            raise InvalidParameter("stop_token_ids", f"stop token id {bad_stop} is outside the vocabulary [0, {vocab})")
 
     @property
     def grammars(self) -> Grammars:

@@ -828,13 +828,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def start(request: Request, job: render.Job, params: SamplingParams | PoolingParams, priority: int) -> Generation:
         # Every prompt is validated here, once (the engine does not check again), and before anything is
         # queued, admitted or charged: a bad prompt in a list is a 400 that leaves no other prompt running.
-        if isinstance(params, SamplingParams):
-            vocab = engine.engine.runner.vocab_size
-            bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-            if bad is not None:  # it could never be sampled: a mistake, not a stop condition
-                raise APIError(
-                    400, f"stop token id {bad} is outside the vocabulary [0, {vocab})", param="stop_token_ids"
-                )
         requests = engine_requests(engine, request.state.request_id, job.prompts, params, priority)
         server.admit(len(requests), params.n if isinstance(params, SamplingParams) else 1)
         server.charge(request, job.prompts, params)

@@ -136,6 +136,9 @@ def test_requests_that_cannot_fit_are_rejected_with_the_param(smol):
     with pytest.raises(InvalidParameter) as err:
         smol.generate([[10**7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert err.value.param == "prompt"
+    with pytest.raises(InvalidParameter) as err:  # could never be sampled: an error, not a stop condition
+        smol.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[5, 10**7]), use_tqdm=False)
+    assert err.value.param == "stop_token_ids" and str(10**7) in str(err.value)
     with pytest.raises(InvalidParameter) as err:
         SamplingParams(temperature=-1)
     assert err.value.param == "temperature"

@@ -450,6 +450,8 @@ ERRORS = [
     ("/v1/completions", {"prompt": ["fine", LONG_PROMPT]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2, 10**7]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": FRANCE, "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(100_000)]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": FRANCE, "stop": ["x" * 257]}, 400, "stop"),
     ("/v1/completions", {}, 400, "prompt"),
