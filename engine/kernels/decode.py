@@ -208,7 +208,7 @@ def num_sms(device: torch.device) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """KV splits for decode, from shapes only: about DECODE_PROGRAMS_PER_SM programs per SM.
 
-    Short contexts leave most of a large split count empty (a split holds whole 64-key tiles and
+    Short contexts leave most of a large split count empty (a split holds whole key tiles and
     the empty ones only write a zero partial), so the count need not know the context."""
     programs = max(1, num_seqs * num_kv_heads)
     return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)))
