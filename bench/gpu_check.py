@@ -437,7 +437,8 @@ def mode_decode_tiles(args) -> None:
     fp8 (e4m3) cache at batch 64 x 8k and batch 64 x 512 (Llama-3-8B attention: 32 / 8 heads, D 128) and a
     W2-like batch (Qwen3-0.6B: 16 / 8 heads, 256 sequences of U[100, 1280] keys); each candidate is checked
     against a float32 reference first (rel_err; a wrong one is not timed). us, and achieved GB/s of K/V
-    bytes read, per candidate; the shipped DECODE_TILES marked `default`."""
+    bytes read, per candidate; the shipped DECODE_TILES marked `default`. Then the paged prefill's fp8
+    widenings (_prefill_widens), and the fastest of each shape and cache kind ("best" lines)."""
     from engine import kv_fp8
     from engine.kernels.decode import DECODE_TILES, DecodeTiles, decode_num_splits, num_sms, paged_decode
 
@@ -488,8 +489,49 @@ def mode_decode_tiles(args) -> None:
                     label = f"{block_n}/{warps}w/{stages}s/{widen}" + (" (default)" if row["default"] else "")
                     best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
                 emit(args, row)
+    _prefill_widens(args, hbm, gen, best)
     for (name, kind), (us, label) in best.items():
-        print(f"best {name:7s} {kind:6s} {us:9.1f} us  {label}")
+        print(f"best {name:9s} {kind:6s} {us:9.1f} us  {label}")
+
+
+def _prefill_widens(args, hbm: float, gen: torch.Generator, best: dict) -> None:
+    """decode-tiles' prefill leg: the paged prefill kernel (Llama-3-8B attention) over a bf16 cache and over
+    an fp8 one with each widening, for what W1 sends it: 16 prompts of 512 tokens with nothing cached (a
+    chunked or recomputed prompt; whole fresh prompts go to prefill_fresh and read no cache) and 64 one-token
+    rows at 640 keys (the decodes of a step that also carries prompts)."""
+    from engine import kv_fp8
+    from engine.kernels.attention import PREFILL_FP8_WIDEN, WIDENS, paged_prefill
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    for name, batch, q_len, ctx in (("pf-16x512", 16, 512, 512), ("pf-64x1", 64, 1, 640)):
+        _, k16, v16, tables, seq_lens = _decode_batch(batch, ctx, h, kvh, d, bs, False, gen)
+        q = torch.randn(batch * q_len, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * q_len
+        ks = vs = torch.tensor([0.05], device="cuda")
+        k8, v8 = (kv_fp8.quantize(c, ks, torch.float8_e4m3fn) for c in (k16, v16))
+        ref = paged_prefill(q, *(kv_fp8.dequantize(c, ks, torch.bfloat16) for c in (k8, v8)), tables, cu_q, seq_lens,
+                            d**-0.5, q_len)  # fmt: skip
+        for kind, widen in [("16bit", "cast")] + [("fp8", w) for w in WIDENS]:
+            caches = (k16, v16, {}) if kind == "16bit" else (k8, v8, dict(k_scale=ks, v_scale=vs, widen=widen))
+
+            def call():
+                return paged_prefill(q, caches[0], caches[1], tables, cu_q, seq_lens, d**-0.5, q_len, **caches[2])
+
+            shipped = kind == "16bit" or widen == PREFILL_FP8_WIDEN
+            row = {"mode": "prefill_widen", "shape": name, "cache": kind, "widen": widen, "batch": batch,
+                   "q_len": q_len, "context": ctx, "default": shipped}  # fmt: skip
+            if kind == "fp8":  # against the same kernel over the dequantized (bf16) cache
+                row["rel_err"] = ((call().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                if not row["rel_err"] < 2e-2:
+                    emit(args, dict(row, error="WRONG: differs from the bf16 kernel over the dequantized cache"))
+                    continue
+            t = graph_time(call)
+            if t is not None:
+                kv_bytes = 2 * batch * ctx * kvh * d * caches[0].element_size()
+                row.update(us=t * 1e6, kv_gb_s=kv_bytes / t / 1e9)
+                label = f"{widen}" + (" (default)" if row["default"] else "")
+                best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
+            emit(args, row)
 
 
 def _fixed_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -423,12 +423,14 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    widen: str = PREFILL_FP8_WIDEN,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
     Sequence s owns q[query_start[s]:query_start[s+1]]; its cache holds seq_lens[s] tokens
     including those new ones, so query i sits at position seq_lens[s] - q_len + i. An fp8 cache is
-    read as stored * k_scale / v_scale (one-element float32 tensors).
+    read as stored * k_scale / v_scale (one-element float32 tensors), its tiles widened by `widen`
+    (WIDENS; the sweep of bench/gpu_check.py decode-tiles times each).
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -452,7 +454,7 @@ def paged_prefill(
     }
     tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
     if fp8:  # the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches
-        tiles.update(asdict(fp8_widen(k_cache.dtype, q.dtype, PREFILL_FP8_WIDEN, q.is_cuda)))
+        tiles.update(asdict(fp8_widen(k_cache.dtype, q.dtype, widen, q.is_cuda)))
     block_q = tiles["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](
