@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -438,7 +439,7 @@ def mode_decode_tiles(args) -> None:
     W2-like batch (Qwen3-0.6B: 16 / 8 heads, 256 sequences of U[100, 1280] keys); each candidate is checked
     against a float32 reference first (rel_err; a wrong one is not timed). us, and achieved GB/s of K/V
     bytes read, per candidate; the shipped DECODE_TILES marked `default`. Then the paged prefill's fp8
-    widenings (_prefill_widens), and the fastest of each shape and cache kind ("best" lines)."""
+    tilings (_prefill_tiles), and the fastest of each shape and cache kind ("best" lines)."""
     from engine import kv_fp8
     from engine.kernels.decode import DECODE_TILES, DecodeTiles, decode_num_splits, num_sms, paged_decode
 
@@ -489,18 +490,34 @@ def mode_decode_tiles(args) -> None:
                     label = f"{block_n}/{warps}w/{stages}s/{widen}" + (" (default)" if row["default"] else "")
                     best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
                 emit(args, row)
-    _prefill_widens(args, hbm, gen, best)
+    _prefill_tiles(args, gen, best)
     for (name, kind), (us, label) in best.items():
         print(f"best {name:9s} {kind:6s} {us:9.1f} us  {label}")
 
 
-def _prefill_widens(args, hbm: float, gen: torch.Generator, best: dict) -> None:
+# Candidate paged-prefill tilings (engine/kernels/attention.py PrefillTiles): (query rows, keys per tile, warps,
+# stages, fp8 widening); the first of each kind is what shipped before the per-dtype table.
+PREFILL_TILE_CANDIDATES = {
+    "16bit": [(64, 64, 4, 2, "cast"), (128, 64, 8, 2, "cast")],
+    "fp8": [
+        (64, 64, 4, 2, "cast"),
+        (64, 64, 4, 2, "bits"),
+        (64, 64, 4, 2, "asm"),
+        (128, 64, 8, 2, "asm"),
+        (128, 64, 4, 2, "asm"),
+        (64, 128, 4, 2, "asm"),
+    ],
+}
+
+
+def _prefill_tiles(args, gen: torch.Generator, best: dict) -> None:
     """decode-tiles' prefill leg: the paged prefill kernel (Llama-3-8B attention) over a bf16 cache and over
-    an fp8 one with each widening, for what W1 sends it: 16 prompts of 512 tokens with nothing cached (a
-    chunked or recomputed prompt; whole fresh prompts go to prefill_fresh and read no cache) and 64 one-token
-    rows at 640 keys (the decodes of a step that also carries prompts)."""
+    an fp8 one for each PREFILL_TILE_CANDIDATES tiling, on what W1 sends it: 16 prompts of 512 tokens with
+    nothing cached (a step that also carries decodes is not all-fresh, so its prompts go here, not to
+    prefill_fresh) and 64 one-token rows at 640 keys (those decodes). fp8 is checked against the 16-bit
+    kernel over the dequantized cache first."""
     from engine import kv_fp8
-    from engine.kernels.attention import PREFILL_FP8_WIDEN, WIDENS, paged_prefill
+    from engine.kernels.attention import PREFILL_TILES, PrefillTiles, paged_prefill
 
     h, kvh, d, bs = 32, 8, 128, 16
     for name, batch, q_len, ctx in (("pf-16x512", 16, 512, 512), ("pf-64x1", 64, 1, 640)):
@@ -511,27 +528,34 @@ def _prefill_widens(args, hbm: float, gen: torch.Generator, best: dict) -> None:
         k8, v8 = (kv_fp8.quantize(c, ks, torch.float8_e4m3fn) for c in (k16, v16))
         ref = paged_prefill(q, *(kv_fp8.dequantize(c, ks, torch.bfloat16) for c in (k8, v8)), tables, cu_q, seq_lens,
                             d**-0.5, q_len)  # fmt: skip
-        for kind, widen in [("16bit", "cast")] + [("fp8", w) for w in WIDENS]:
-            caches = (k16, v16, {}) if kind == "16bit" else (k8, v8, dict(k_scale=ks, v_scale=vs, widen=widen))
+        for kind in ("16bit", "fp8"):
+            caches = (k16, v16, {}) if kind == "16bit" else (k8, v8, dict(k_scale=ks, v_scale=vs))
+            for candidate in PREFILL_TILE_CANDIDATES[kind]:
+                tiles = PrefillTiles(*candidate)
 
-            def call():
-                return paged_prefill(q, caches[0], caches[1], tables, cu_q, seq_lens, d**-0.5, q_len, **caches[2])
+                def call():
+                    return paged_prefill(q, caches[0], caches[1], tables, cu_q, seq_lens, d**-0.5, q_len, tiles=tiles,
+                                         **caches[2])  # fmt: skip
 
-            shipped = kind == "16bit" or widen == PREFILL_FP8_WIDEN
-            row = {"mode": "prefill_widen", "shape": name, "cache": kind, "widen": widen, "batch": batch,
-                   "q_len": q_len, "context": ctx, "default": shipped}  # fmt: skip
-            if kind == "fp8":  # against the same kernel over the dequantized (bf16) cache
-                row["rel_err"] = ((call().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                if not row["rel_err"] < 2e-2:
-                    emit(args, dict(row, error="WRONG: differs from the bf16 kernel over the dequantized cache"))
+                row = {"mode": "prefill_tiles", "shape": name, "cache": kind, "batch": batch, "q_len": q_len,
+                       "context": ctx, **asdict(tiles), "default": tiles == PREFILL_TILES[kind]}  # fmt: skip
+                try:
+                    out = call()
+                except Exception as exc:  # a tiling that does not compile (shared memory, registers) is reported
+                    emit(args, dict(row, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                     continue
-            t = graph_time(call)
-            if t is not None:
-                kv_bytes = 2 * batch * ctx * kvh * d * caches[0].element_size()
-                row.update(us=t * 1e6, kv_gb_s=kv_bytes / t / 1e9)
-                label = f"{widen}" + (" (default)" if row["default"] else "")
-                best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
-            emit(args, row)
+                if kind == "fp8":
+                    row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    if not row["rel_err"] < 2e-2:
+                        emit(args, dict(row, error="WRONG: differs from the bf16 kernel over the dequantized cache"))
+                        continue
+                t = graph_time(call)
+                if t is not None:
+                    kv_bytes = 2 * batch * ctx * kvh * d * caches[0].element_size()
+                    row.update(us=t * 1e6, kv_gb_s=kv_bytes / t / 1e9)
+                    label = "/".join(map(str, candidate)) + (" (default)" if row["default"] else "")
+                    best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
+                emit(args, row)
 
 
 def _fixed_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -261,14 +261,20 @@ def test_widen_bits_give_every_fp8_value(fp8, target):
     assert fp8_widen(fp8, torch.float32, "asm", on_gpu=True).WIDEN == 0
 
 
-def _tilings(kind):
-    from bench.gpu_check import DECODE_TILE_CANDIDATES
+def _tilings(kernel, kind):
+    """The shipped tiling of a kernel ("decode", "prefill") for a cache kind and the H100 sweep's candidates."""
+    from bench.gpu_check import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES
+    from engine.kernels.attention import PREFILL_TILES, PrefillTiles
     from engine.kernels.decode import DECODE_TILES, DecodeTiles
 
-    return sorted({DECODE_TILES[kind], *(DecodeTiles(*c) for c in DECODE_TILE_CANDIDATES[kind])}, key=str)
+    shipped, candidates, cls = {
+        "decode": (DECODE_TILES, DECODE_TILE_CANDIDATES, DecodeTiles),
+        "prefill": (PREFILL_TILES, PREFILL_TILE_CANDIDATES, PrefillTiles),
+    }[kernel]
+    return sorted({shipped[kind], *(cls(*c) for c in candidates[kind])}, key=str)
 
 
-@pytest.mark.parametrize("tiles", _tilings("fp8"), ids=str)
+@pytest.mark.parametrize("tiles", _tilings("decode", "fp8"), ids=str)
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_tilings_read_fp8(tiles, fp8, dtype):
@@ -288,7 +294,7 @@ def test_decode_tilings_read_fp8(tiles, fp8, dtype):
         assert err < (1e-4 if dtype == torch.float32 else 1e-2), (splits, err)
 
 
-@pytest.mark.parametrize("tiles", _tilings("16bit"), ids=str)
+@pytest.mark.parametrize("tiles", _tilings("decode", "16bit"), ids=str)
 def test_decode_tilings_read_a_16bit_cache(tiles):
     """The 16-bit tilings the sweep times, against the reference."""
     from engine.kernels.decode import paged_decode
@@ -303,6 +309,24 @@ def test_decode_tilings_read_a_16bit_cache(tiles):
         case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["scale"],
         num_splits=3, tiles=tiles,
     )  # fmt: skip
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("tiles", _tilings("prefill", "fp8") + _tilings("prefill", "16bit"), ids=str)
+@pytest.mark.parametrize("fp8", FP8)
+def test_prefill_tilings_read_fp8(tiles, fp8):
+    """Every paged-prefill tiling shipped or swept, over an fp8 cache (each widening; asm as bits under the
+    interpreter), against the reference over the dequantized cache: a prompt with nothing cached, a chunk
+    after context, a one-token row."""
+    from engine.kernels.attention import paged_prefill
+
+    dtype = DTYPES[-1]
+    case, (k8, v8), (ks, vs), (kd, vd) = _quantized_batch([0, 150, 33], [70, 5, 1], 4, 1, 64, dtype, fp8, seed=6)
+    out = paged_prefill(
+        case["q"], k8, v8, case["block_tables"], case["query_start"], case["seq_lens"], case["scale"], 70,
+        k_scale=ks, v_scale=vs, tiles=tiles,
+    )  # fmt: skip
+    ref = reference(case["q"], kd, vd, case["block_tables"], case["query_start"], case["seq_lens"], case["scale"])
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 

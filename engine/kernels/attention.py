@@ -371,8 +371,26 @@ def _prefill_kernel(
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# How paged_prefill widens fp8 tiles (WIDENS): the decode kernel's reasoning holds for its tile loop.
-PREFILL_FP8_WIDEN = "asm"
+@dataclass(frozen=True)
+class PrefillTiles:
+    """paged_prefill's tiling for one cache kind: query rows per program (G heads x block_m / G queries),
+    keys per tile (at head_dim <= 128; half that above), warps, stages, and the fp8 widening (WIDENS)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    widen: str = "cast"
+
+
+# 64 rows: G heads x 64/G queries. A pure long prefill costs the same K/V traffic as one head per program,
+# while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows. 64x64 tiles, 4 warps, 2
+# stages: best or within 3% of a 24-config sweep on an H100 (bf16, D 64 and 128, G 2..4), about 60% of
+# cuDNN's dense causal attention there. The folded scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k,
+# 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (the decode kernel's reasoning:
+# DECODE_TILES); each query tile widens every K/V tile it reads again, so more rows per program (block_m
+# 128) halve that work; `bash bench/gpu_check.sh decode-tiles` times those candidates.
+PREFILL_TILES = {"16bit": PrefillTiles(), "fp8": PrefillTiles(widen="asm")}
 
 
 def _check_inputs(
@@ -423,14 +441,14 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    widen: str = PREFILL_FP8_WIDEN,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
     Sequence s owns q[query_start[s]:query_start[s+1]]; its cache holds seq_lens[s] tokens
     including those new ones, so query i sits at position seq_lens[s] - q_len + i. An fp8 cache is
-    read as stored * k_scale / v_scale (one-element float32 tensors), its tiles widened by `widen`
-    (WIDENS; the sweep of bench/gpu_check.py decode-tiles times each).
+    read as stored * k_scale / v_scale (one-element float32 tensors). `tiles` overrides PREFILL_TILES
+    (the sweep of bench/gpu_check.py decode-tiles).
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -440,22 +458,17 @@ def paged_prefill(
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    # 64 rows: G heads x 64/G queries. A pure long prefill costs the same K/V traffic as one head
-    # per program, while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows.
-    # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
-    # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there. The folded
-    # scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k, 336 -> 346 at 2 x 8k).
-    tiles = {
-        "BLOCK_M": 64,
-        "BLOCK_N": 64 if head_dim <= 128 else 32,
-        "num_warps": 4,
-        "num_stages": 2,
+    tiles = tiles or PREFILL_TILES["fp8" if fp8 else "16bit"]
+    launch = {
+        "BLOCK_M": max(tiles.block_m, triton.next_power_of_2(group)),
+        "BLOCK_N": tiles.block_n if head_dim <= 128 else tiles.block_n // 2,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
         "FOLD_SCALE": True,
     }
-    tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
     if fp8:  # the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches
-        tiles.update(asdict(fp8_widen(k_cache.dtype, q.dtype, widen, q.is_cuda)))
-    block_q = tiles["BLOCK_M"] // group
+        launch.update(asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)))
+    block_q = launch["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](
         q,
@@ -483,6 +496,6 @@ def paged_prefill(
         BLOCK_D=triton.next_power_of_2(head_dim),
         PRECISION=_precision(q.dtype),
         KV_FP8=fp8,
-        **tiles,
+        **launch,
     )
     return out
