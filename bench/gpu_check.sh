@@ -75,7 +75,7 @@ for step in "$@"; do
           done ;;
     # The decode kernel alone for each candidate tiling (DECODE_TILE_CANDIDATES), bf16 and fp8 cache, after the
     # fp8 attention tests on CUDA (the shipped tilings against the torch reference): us, GB/s, best per shape.
-    decode-tiles) python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py -k "decode or prefill_reads or widen" \
+    decode-tiles) python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py -k "decode or prefill_reads or widen or tilings" \
              2>&1 | tee $OUT/pytest-cuda-decode-tiles.log | tail -3
            python3 bench/gpu_check.py decode-tiles 2>&1 | grep -E "RESULT|Error|^best" | cut -c1-500 ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;

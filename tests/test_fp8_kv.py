@@ -330,6 +330,30 @@ def test_prefill_tilings_read_fp8(tiles, fp8):
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_widenings_agree(fp8, dtype):
+    """Widening by bits / asm scales K, V, q and the softmax weights by powers of two that the scales undo,
+    so decode and prefill give cast's output: bit for bit under the interpreter (float32 products of
+    16-bit values are exact, the sums run in the same order); on CUDA within 1e-3, for an MMA that may
+    flush the subnormal 16-bit lanes fp8 subnormals become."""
+    from engine.kernels.attention import PrefillTiles, paged_prefill
+    from engine.kernels.decode import DecodeTiles, paged_decode
+
+    case, (k8, v8), (ks, vs), _ = _quantized_batch([300, 7, 130], [1, 1, 1], 4, 2, 64, dtype, fp8, seed=7)
+    args = (case["q"], k8, v8, case["block_tables"])
+    outs = {}
+    for widen in ("cast", "bits", "asm"):
+        decode = paged_decode(*args, case["seq_lens"], case["scale"], num_splits=3, k_scale=ks, v_scale=vs,
+                              tiles=DecodeTiles(128, widen=widen))  # fmt: skip
+        prefill = paged_prefill(*args, case["query_start"], case["seq_lens"], case["scale"], 1, k_scale=ks, v_scale=vs,
+                                tiles=PrefillTiles(widen=widen))  # fmt: skip
+        outs[widen] = torch.stack([decode, prefill]).float()
+    for widen in ("bits", "asm"):
+        diff = ((outs[widen] - outs["cast"]).abs().max() / outs["cast"].abs().max()).item()
+        assert diff == 0.0 or (CUDA and diff < 1e-3), (widen, diff)
+
+
 def test_kernels_refuse_fp8_without_scales():
     from engine.kernels.decode import paged_decode
 
