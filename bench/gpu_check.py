@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py peaks                      # measured HBM copy rate and bf16 matmul rate
     python bench/gpu_check.py kernels                    # own Triton paged decode/prefill vs FlashAttention, vs bounds
+    python bench/gpu_check.py decode-tiles               # decode kernel alone per tiling, bf16 and fp8 cache
     python bench/gpu_check.py greedy                     # Triton backend == torch backend, Llama-3-8B shape, 256 tokens
     python bench/gpu_check.py workload w1 --backend triton [--eager]   # W1 / W2 output tok/s
     python bench/gpu_check.py transformers               # W1 with transformers generate (the baseline)
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -347,6 +349,18 @@ def mode_kernels(args) -> None:
         emit(args, row)
 
 
+def _decode_batch(batch: int, ctx: int, h: int, kvh: int, d: int, bs: int, ragged: bool, gen: torch.Generator):
+    """q [batch, h, d], a random bf16 paged cache and its block tables, and lengths: ctx each, or U[100, ctx]
+    when ragged."""
+    k_cache, v_cache, tables = _paged_cache(batch, ctx, kvh, d, bs, gen)
+    q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    if ragged:
+        seq_lens = torch.randint(100, ctx + 1, (batch,), dtype=torch.int32, device="cuda", generator=gen)
+    else:
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, tables, seq_lens
+
+
 def mode_decode_splits(args) -> None:
     """Own decode kernel, CUDA-graph timed, for each split count at the batch x context shapes of
     W1 and W2 (uniform and ragged lengths): which split count each shape wants."""
@@ -360,12 +374,7 @@ def mode_decode_splits(args) -> None:
     shapes += [(b, 2048, True) for b in (8, 32, 64, 256)]  # ragged: lengths U[100, 2048], like W2's mid-run
     shapes += [(1, 8192, False), (1, 32768, False), (4, 32768, False)]  # one user, long context
     for batch, ctx, ragged in shapes:
-        k_cache, v_cache, tables = _paged_cache(batch, ctx, kvh, d, bs, gen)
-        q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
-        if ragged:
-            seq_lens = torch.randint(100, ctx + 1, (batch,), dtype=torch.int32, device="cuda", generator=gen)
-        else:
-            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q, k_cache, v_cache, tables, seq_lens = _decode_batch(batch, ctx, h, kvh, d, bs, ragged, gen)
         kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * 2
         times = {}
         for splits in sorted(
@@ -390,6 +399,163 @@ def mode_decode_splits(args) -> None:
                 "best_hbm_fraction": kv_bytes / (times[best] / 1e6) / hbm,
             },
         )
+
+
+# Candidate decode tilings per cache kind (engine/kernels/decode.py DecodeTiles): (keys per tile, warps,
+# stages, fp8 widening). The first of each kind is what shipped before the per-dtype table.
+DECODE_TILE_CANDIDATES = {
+    "16bit": [(64, 4, 2, "cast"), (128, 4, 2, "cast"), (64, 8, 2, "cast"), (64, 4, 3, "cast"), (32, 4, 2, "cast")],
+    "fp8": [
+        (64, 4, 2, "cast"),
+        (128, 4, 2, "cast"),
+        (64, 4, 2, "asm"),
+        (128, 4, 2, "asm"),
+        (128, 4, 3, "asm"),
+        (128, 8, 2, "asm"),
+        (256, 8, 2, "asm"),
+        (128, 4, 2, "bits"),
+    ],
+}
+
+
+def _decode_reference(q, k_cache, v_cache, tables, seq_lens, scale, k_scale, v_scale, rows) -> torch.Tensor:
+    """float32 attention of sequences `rows` against their cached keys (stored x scale), the check every
+    candidate passes before it is timed."""
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = []
+    for s in rows:
+        n = int(seq_lens[s])
+        blocks = tables[s, : -(-n // bs)].long()
+        k = (k_cache[blocks].flatten(0, 1)[:n].float() * k_scale).repeat_interleave(group, 1)  # [n, H, D]
+        v = (v_cache[blocks].flatten(0, 1)[:n].float() * v_scale).repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].float(), k) * scale, -1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out)
+
+
+def mode_decode_tiles(args) -> None:
+    """The decode kernel alone, CUDA-graph timed, for each DECODE_TILE_CANDIDATES tiling of the bf16 and the
+    fp8 (e4m3) cache at batch 64 x 8k and batch 64 x 512 (Llama-3-8B attention: 32 / 8 heads, D 128) and a
+    W2-like batch (Qwen3-0.6B: 16 / 8 heads, 256 sequences of U[100, 1280] keys); each candidate is checked
+    against a float32 reference first (rel_err; a wrong one is not timed). us, and achieved GB/s of K/V
+    bytes read, per candidate; the shipped DECODE_TILES marked `default`. Then the paged prefill's fp8
+    tilings (_prefill_tiles), and the fastest of each shape and cache kind ("best" lines)."""
+    from engine import kv_fp8
+    from engine.kernels.decode import DECODE_TILES, DecodeTiles, decode_num_splits, num_sms, paged_decode
+
+    hbm, _ = measure_peaks()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bs, d = 16, 128
+    best: dict[tuple[str, str], tuple[float, str]] = {}
+    shapes = [("64x8k", 64, 32, 8, 8192, False), ("64x512", 64, 32, 8, 512, False), ("w2", 256, 16, 8, 1280, True)]
+    for name, batch, h, kvh, ctx, ragged in shapes:
+        q, k16, v16, tables, seq_lens = _decode_batch(batch, ctx, h, kvh, d, bs, ragged, gen)
+        splits = decode_num_splits(batch, kvh, num_sms(torch.device("cuda")))
+        rows = [0, batch // 2, batch - 1]
+        for kind in ("16bit", "fp8"):
+            if kind == "fp8":
+                # randn values: amax ~5 mapped well inside e4m3, as --calculate-kv-scales does
+                ks = vs = torch.tensor([0.05], device="cuda")
+                k_cache, v_cache = (kv_fp8.quantize(c, ks, torch.float8_e4m3fn) for c in (k16, v16))
+                scales = dict(k_scale=ks, v_scale=vs)
+            else:
+                k_cache, v_cache, scales = k16, v16, {}
+                ks = vs = torch.tensor([1.0], device="cuda")
+            ref = _decode_reference(q, k_cache, v_cache, tables, seq_lens, d**-0.5, ks, vs, rows)
+            kv_bytes = 2 * int(seq_lens.sum()) * kvh * d * k_cache.element_size()
+            for block_n, warps, stages, widen in DECODE_TILE_CANDIDATES[kind]:
+                tiles = DecodeTiles(block_n, warps, stages, widen)
+
+                def call():
+                    return paged_decode(
+                        q, k_cache, v_cache, tables, seq_lens, d**-0.5, num_splits=splits, tiles=tiles, **scales
+                    )
+
+                row = {"mode": "decode_tiles", "shape": name, "cache": kind, "batch": batch, "heads": h,
+                       "kv_heads": kvh, "context": ctx, "ragged": ragged, "splits": splits, "block_n": block_n,
+                       "num_warps": warps, "num_stages": stages, "widen": widen,
+                       "default": tiles == DECODE_TILES[kind]}  # fmt: skip
+                try:
+                    out = call()[rows].float()
+                except Exception as exc:  # a tiling that does not compile (shared memory, registers) is reported
+                    emit(args, dict(row, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    continue
+                row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+                if not row["rel_err"] < 2e-2:
+                    emit(args, dict(row, error="WRONG: differs from the reference"))
+                    continue
+                t = graph_time(call)
+                if t is not None:
+                    row.update(us=t * 1e6, gb_s=kv_bytes / t / 1e9, hbm_fraction=kv_bytes / t / hbm)
+                    label = f"{block_n}/{warps}w/{stages}s/{widen}" + (" (default)" if row["default"] else "")
+                    best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
+                emit(args, row)
+    _prefill_tiles(args, gen, best)
+    for (name, kind), (us, label) in best.items():
+        print(f"best {name:9s} {kind:6s} {us:9.1f} us  {label}")
+
+
+# Candidate paged-prefill tilings (engine/kernels/attention.py PrefillTiles): (query rows, keys per tile, warps,
+# stages, fp8 widening); the first of each kind is what shipped before the per-dtype table.
+PREFILL_TILE_CANDIDATES = {
+    "16bit": [(64, 64, 4, 2, "cast"), (128, 64, 8, 2, "cast")],
+    "fp8": [
+        (64, 64, 4, 2, "cast"),
+        (64, 64, 4, 2, "bits"),
+        (64, 64, 4, 2, "asm"),
+        (128, 64, 8, 2, "asm"),
+        (128, 64, 4, 2, "asm"),
+        (64, 128, 4, 2, "asm"),
+    ],
+}
+
+
+def _prefill_tiles(args, gen: torch.Generator, best: dict) -> None:
+    """decode-tiles' prefill leg: the paged prefill kernel (Llama-3-8B attention) over a bf16 cache and over
+    an fp8 one for each PREFILL_TILE_CANDIDATES tiling, on what W1 sends it: 16 prompts of 512 tokens with
+    nothing cached (a step that also carries decodes is not all-fresh, so its prompts go here, not to
+    prefill_fresh) and 64 one-token rows at 640 keys (those decodes). fp8 is checked against the 16-bit
+    kernel over the dequantized cache first."""
+    from engine import kv_fp8
+    from engine.kernels.attention import PREFILL_TILES, PrefillTiles, paged_prefill
+
+    h, kvh, d, bs = 32, 8, 128, 16
+    for name, batch, q_len, ctx in (("pf-16x512", 16, 512, 512), ("pf-64x1", 64, 1, 640)):
+        _, k16, v16, tables, seq_lens = _decode_batch(batch, ctx, h, kvh, d, bs, False, gen)
+        q = torch.randn(batch * q_len, h, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+        cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * q_len
+        ks = vs = torch.tensor([0.05], device="cuda")
+        k8, v8 = (kv_fp8.quantize(c, ks, torch.float8_e4m3fn) for c in (k16, v16))
+        ref = paged_prefill(q, *(kv_fp8.dequantize(c, ks, torch.bfloat16) for c in (k8, v8)), tables, cu_q, seq_lens,
+                            d**-0.5, q_len)  # fmt: skip
+        for kind in ("16bit", "fp8"):
+            caches = (k16, v16, {}) if kind == "16bit" else (k8, v8, dict(k_scale=ks, v_scale=vs))
+            for candidate in PREFILL_TILE_CANDIDATES[kind]:
+                tiles = PrefillTiles(*candidate)
+
+                def call():
+                    return paged_prefill(q, caches[0], caches[1], tables, cu_q, seq_lens, d**-0.5, q_len, tiles=tiles,
+                                         **caches[2])  # fmt: skip
+
+                row = {"mode": "prefill_tiles", "shape": name, "cache": kind, "batch": batch, "q_len": q_len,
+                       "context": ctx, **asdict(tiles), "default": tiles == PREFILL_TILES[kind]}  # fmt: skip
+                try:
+                    out = call()
+                except Exception as exc:  # a tiling that does not compile (shared memory, registers) is reported
+                    emit(args, dict(row, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    continue
+                if kind == "fp8":
+                    row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    if not row["rel_err"] < 2e-2:
+                        emit(args, dict(row, error="WRONG: differs from the bf16 kernel over the dequantized cache"))
+                        continue
+                t = graph_time(call)
+                if t is not None:
+                    kv_bytes = 2 * batch * ctx * kvh * d * caches[0].element_size()
+                    row.update(us=t * 1e6, kv_gb_s=kv_bytes / t / 1e9)
+                    label = "/".join(map(str, candidate)) + (" (default)" if row["default"] else "")
+                    best[name, kind] = min(best.get((name, kind), (float("inf"), "")), (t * 1e6, label))
+                emit(args, row)
 
 
 def _fixed_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -1117,6 +1283,7 @@ def main() -> None:
             "peaks",
             "kernels",
             "decode-splits",
+            "decode-tiles",
             "greedy",
             "workload",
             "transformers",
@@ -1169,6 +1336,7 @@ def main() -> None:
         "peaks": mode_peaks,
         "kernels": mode_kernels,
         "decode-splits": mode_decode_splits,
+        "decode-tiles": mode_decode_tiles,
         "greedy": mode_greedy,
         "workload": mode_workload,
         "transformers": mode_transformers,

@@ -74,6 +74,12 @@ def _code(stage: str, text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
+def report(label: str, old: str, new: str) -> bool:
+    """Print whether two stripped IR texts are the same; return it."""
+    print(f"{label}: {'identical' if old == new else 'DIFFERENT'} ({len(old.splitlines())} lines)")
+    return old == new
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", help="the earlier commit")
@@ -90,11 +96,8 @@ def main() -> int:
             modules = [_load(Path(tmp) / side / "qkv_store.py", f"store_{side}") for side in ("old", "new")]
             asm = [compile_store(module, cache) for module in modules]
             for stage in asm[0]:
-                a, b = (_code(stage, x[stage]) for x in asm)
-                a, b = (re.sub(r"store_(old|new)|/tmp\S*qkv_store\.py", "", x) for x in (a, b))
-                verdict = "identical" if a == b else "DIFFERENT"
-                print(f"{cache[1:]} cache {stage}: {verdict} ({len(a.splitlines())} lines)")
-                same &= a == b
+                a, b = (re.sub(r"store_(old|new)|/tmp\S*qkv_store\.py", "", _code(stage, x[stage])) for x in asm)
+                same &= report(f"{cache[1:]} cache {stage}", a, b)
     return 0 if same else 1
 
 

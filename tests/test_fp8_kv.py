@@ -240,6 +240,125 @@ def test_prefill_reads_fp8(fp8, dtype):
     assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
+def test_widen_bits_give_every_fp8_value(fp8, target):
+    """The bits / asm widening (attention.fp8_widen): every fp8 code with its sign / exponent / mantissa moved
+    into the 16-bit lane, times PRESCALE x UNBIAS (what the kernels multiply scores and outputs by), is the
+    code's value exactly (zero, subnormals and the largest values included)."""
+    from engine.kernels.attention import fp8_widen
+
+    codes = torch.arange(256, dtype=torch.int32)
+    values = codes.to(torch.uint8).view(fp8).float()
+    finite = values.isfinite()
+    w = fp8_widen(fp8, target, "bits", on_gpu=False)
+    lane = codes << 8
+    bits = (lane & 0x8000) | ((lane >> w.WIDEN_SHIFT) & (0x7F00 >> w.WIDEN_SHIFT))
+    widened = bits.to(torch.int16).view(target).float()  # int16 wraps the sign bit into place
+    assert torch.equal(widened[finite] * (w.PRESCALE * w.UNBIAS), values[finite])
+    # The asm variant is the same bits (GPU only); a float32 q keeps triton's cast.
+    assert fp8_widen(fp8, target, "asm", on_gpu=True).WIDEN_SHIFT == w.WIDEN_SHIFT
+    assert fp8_widen(fp8, torch.float32, "asm", on_gpu=True).WIDEN == 0
+
+
+def _tilings(kernel, kind):
+    """The shipped tiling of a kernel ("decode", "prefill") for a cache kind and the H100 sweep's candidates,
+    as pytest params."""
+    from bench.gpu_check import DECODE_TILE_CANDIDATES, PREFILL_TILE_CANDIDATES
+    from engine.kernels.attention import PREFILL_TILES, PrefillTiles
+    from engine.kernels.decode import DECODE_TILES, DecodeTiles
+
+    shipped, candidates, cls = {
+        "decode": (DECODE_TILES, DECODE_TILE_CANDIDATES, DecodeTiles),
+        "prefill": (PREFILL_TILES, PREFILL_TILE_CANDIDATES, PrefillTiles),
+    }[kernel]
+    # Under the interpreter the shipped tilings run in the default tier, the sweep's other candidates in the
+    # slow one (the sweep checks each against a reference before timing it anyway); on CUDA all run.
+    slow = () if CUDA else pytest.mark.slow
+    tilings = sorted({shipped[kind], *(cls(*c) for c in candidates[kind])}, key=str)
+    return [pytest.param(t, marks=() if t in shipped.values() else slow, id=str(t)) for t in tilings]
+
+
+@pytest.mark.parametrize("tiles", _tilings("decode", "fp8"))
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_tilings_read_fp8(tiles, fp8, dtype):
+    """Every fp8 decode tiling the table ships or the H100 sweep (bench/gpu_check.py decode-tiles) times, each
+    widening (asm runs as bits under the interpreter), against the reference over the dequantized cache; one
+    and three splits, a context that ends inside a tile."""
+    from engine.kernels.decode import paged_decode
+
+    case, (k8, v8), (ks, vs), (kd, vd) = _quantized_batch([300, 7, 130], [1, 1, 1], 4, 2, 64, dtype, fp8, seed=4)
+    ref = reference(case["q"], kd, vd, case["block_tables"], case["query_start"], case["seq_lens"], case["scale"])
+    for splits in (1, 3):
+        out = paged_decode(
+            case["q"], k8, v8, case["block_tables"], case["seq_lens"], case["scale"], num_splits=splits,
+            k_scale=ks, v_scale=vs, tiles=tiles,
+        )  # fmt: skip
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (1e-4 if dtype == torch.float32 else 1e-2), (splits, err)
+
+
+@pytest.mark.parametrize("tiles", _tilings("decode", "16bit"))
+def test_decode_tilings_read_a_16bit_cache(tiles):
+    """The 16-bit tilings the sweep times, against the reference."""
+    from engine.kernels.decode import paged_decode
+
+    dtype = DTYPES[-1]
+    case = make_batch([300, 7, 130], [1, 1, 1], 4, 2, 64, 16, dtype, seed=5)
+    ref = reference(
+        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["query_start"], case["seq_lens"],
+        case["scale"],
+    )  # fmt: skip
+    out = paged_decode(
+        case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["scale"],
+        num_splits=3, tiles=tiles,
+    )  # fmt: skip
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("tiles", _tilings("prefill", "fp8") + _tilings("prefill", "16bit"))
+@pytest.mark.parametrize("fp8", FP8)
+def test_prefill_tilings_read_fp8(tiles, fp8):
+    """Every paged-prefill tiling shipped or swept, over an fp8 cache (each widening; asm as bits under the
+    interpreter), against the reference over the dequantized cache: a prompt with nothing cached, a chunk
+    after context, a one-token row."""
+    from engine.kernels.attention import paged_prefill
+
+    dtype = DTYPES[-1]
+    case, (k8, v8), (ks, vs), (kd, vd) = _quantized_batch([0, 150, 33], [70, 5, 1], 4, 1, 64, dtype, fp8, seed=6)
+    out = paged_prefill(
+        case["q"], k8, v8, case["block_tables"], case["query_start"], case["seq_lens"], case["scale"], 70,
+        k_scale=ks, v_scale=vs, tiles=tiles,
+    )  # fmt: skip
+    ref = reference(case["q"], kd, vd, case["block_tables"], case["query_start"], case["seq_lens"], case["scale"])
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_widenings_agree(fp8, dtype):
+    """Widening by bits / asm scales K, V, q and the softmax weights by powers of two that the scales undo,
+    so decode and prefill give cast's output: bit for bit under the interpreter (float32 products of
+    16-bit values are exact, the sums run in the same order); on CUDA within 1e-3, for an MMA that may
+    flush the subnormal 16-bit lanes fp8 subnormals become."""
+    from engine.kernels.attention import PrefillTiles, paged_prefill
+    from engine.kernels.decode import DecodeTiles, paged_decode
+
+    case, (k8, v8), (ks, vs), _ = _quantized_batch([300, 7, 130], [1, 1, 1], 4, 2, 64, dtype, fp8, seed=7)
+    args = (case["q"], k8, v8, case["block_tables"])
+    outs = {}
+    for widen in ("cast", "bits", "asm"):
+        decode = paged_decode(*args, case["seq_lens"], case["scale"], num_splits=3, k_scale=ks, v_scale=vs,
+                              tiles=DecodeTiles(128, widen=widen))  # fmt: skip
+        prefill = paged_prefill(*args, case["query_start"], case["seq_lens"], case["scale"], 1, k_scale=ks, v_scale=vs,
+                                tiles=PrefillTiles(widen=widen))  # fmt: skip
+        outs[widen] = torch.stack([decode, prefill]).float()
+    for widen in ("bits", "asm"):
+        diff = ((outs[widen] - outs["cast"]).abs().max() / outs["cast"].abs().max()).item()
+        assert diff == 0.0 or (CUDA and diff < 1e-3), (widen, diff)
+
+
 def test_kernels_refuse_fp8_without_scales():
     from engine.kernels.decode import paged_decode
 

@@ -16,6 +16,8 @@ accumulator), base-2 exponentials with log2(e) folded into the scale.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -34,14 +36,115 @@ def _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOC
     return block.to(tl.int64) * stride_b + (pos % BLOCK_SIZE) * stride_s + kvh * stride_h
 
 
+# How an fp8 K/V tile becomes q's dtype in registers (the kernels' WIDEN constexpr):
+# "cast" is triton's conversion; on an H100 it lowers e4m3 -> bf16 to cvt.rn.f16x2.e4m3x2 plus a
+# cvt.bf16.f16 per element, 1.5 conversion instructions per element at 16 per clock per SM: as many
+# cycles as streaming the bytes takes, so the decode kernel was conversion-bound over fp8.
+# "bits" moves the fp8 sign / exponent / mantissa bits into q's 16-bit format with integer ops and
+# leaves the exponent bias out (the value comes out times 2^-(bias difference), undone once per score
+# and per output row with the scales): exact, interpreter-safe, one element at a time.
+# "asm" is the same bits four bytes at a time in PTX (two prmt + shift/and/or per pair, no cvt); it
+# needs a GPU, and the kernels' callers switch it to "bits" under the interpreter.
+WIDENS = ("cast", "bits", "asm")
+
+
+@dataclass(frozen=True)
+class Fp8Widen:
+    """The constexprs of a widening: WIDEN (index in WIDENS), WIDEN_SHIFT (bits the fp8 code moves right
+    inside a 16-bit lane), PRESCALE (q and the softmax weights are multiplied by it before their dots, so
+    that the products of the unbiased, tiny K and V stay normal float32 numbers) and UNBIAS (what every
+    score and output row is multiplied by to undo both)."""
+
+    WIDEN: int = 0
+    WIDEN_SHIFT: int = 0
+    PRESCALE: float = 1.0
+    UNBIAS: float = 1.0
+    WIDEN_ASM: str = ""
+
+
+def _widen_asm(shift: int) -> str:
+    """PTX of the asm widening: prmt puts codes 0, 1 (then 2, 3) of the input register into the high
+    bytes of two 16-bit lanes, zeros below; the sign stays, the rest moves `shift` bits down."""
+    mag = 0x7F00 >> shift
+    return (
+        "{ .reg .b32 z, a, b, c, d;\n"
+        "mov.b32 z, 0;\n"
+        "prmt.b32 a, $2, z, 0x1404;\n"
+        "prmt.b32 b, $2, z, 0x3424;\n"
+        f"shr.b32 c, a, {shift};\n"
+        f"shr.b32 d, b, {shift};\n"
+        f"and.b32 c, c, {(mag << 16) | mag};\n"
+        f"and.b32 d, d, {(mag << 16) | mag};\n"
+        "and.b32 a, a, 0x80008000;\n"
+        "and.b32 b, b, 0x80008000;\n"
+        "or.b32 $0, a, c;\n"
+        "or.b32 $1, b, d; }"
+    )
+
+
+# (exponent bits, exponent bias) of the formats the bits widening maps between.
+_FORMATS = {
+    torch.float8_e4m3fn: (4, 7),
+    torch.float8_e5m2: (5, 15),
+    torch.bfloat16: (8, 127),
+    torch.float16: (5, 15),
+}
+# bf16 K/V widened by bits are 2^-120 (e4m3) or 2^-112 (e5m2) times their value: a q or softmax weight
+# below 1 times such a number would fall under float32's normal range inside the MMA. q and the weights
+# go into their dots times 2^64 (exact; no bf16 q reaches 2^64), which keeps every product that matters
+# normal; fp16 keeps its values within 2^-8 of the true ones and needs no prescale.
+_PRESCALE_EXP = {torch.bfloat16: 64, torch.float16: 0}
+
+
+def fp8_widen(cache_dtype: torch.dtype, q_dtype: torch.dtype, widen: str, on_gpu: bool) -> Fp8Widen:
+    """The widening constexprs for an fp8 cache read by a q of q_dtype; "cast" for a float32 q (its
+    dots run in float32, there is no 16-bit lane to fill) and "bits" in place of "asm" off the GPU."""
+    assert widen in WIDENS, f"widen must be one of {WIDENS}"
+    if widen == "cast" or q_dtype not in _PRESCALE_EXP:
+        return Fp8Widen()
+    if widen == "asm" and not on_gpu:
+        widen = "bits"
+    (fp8_exp, fp8_bias), (q_exp, q_bias) = _FORMATS[cache_dtype], _FORMATS[q_dtype]
+    prescale = _PRESCALE_EXP[q_dtype]
+    shift = q_exp - fp8_exp
+    asm = _widen_asm(shift) if widen == "asm" else ""
+    return Fp8Widen(WIDENS.index(widen), shift, 2.0**prescale, 2.0 ** (q_bias - fp8_bias - prescale), asm)
+
+
 @triton.jit
-def _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+def _widen_fp8(x, like, WIDEN: tl.constexpr, WIDEN_SHIFT: tl.constexpr, WIDEN_ASM: tl.constexpr):
+    """An fp8 tile in the dtype of the tensor `like` (Fp8Widen): exact for cast; times 2^-(bias difference)
+    for bits and asm."""
+    if WIDEN == 0:
+        return x.to(like.dtype)
+    # The fp8 code in the high byte of a 16-bit lane: sign in place, exponent and mantissa shifted down
+    # to the lane's exponent field (a zero code stays 0, subnormals stay subnormal).
+    MAG: tl.constexpr = 0x7F00 >> WIDEN_SHIFT
+    if WIDEN == 1:
+        lane = x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8
+        return ((lane & 0x8000) | ((lane >> WIDEN_SHIFT) & MAG)).to(like.dtype, bitcast=True)
+    # Four codes per 32-bit register in, two lanes per register out (Fp8Widen.WIDEN_ASM).
+    return tl.inline_asm_elementwise(
+        WIDEN_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=like.dtype, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, UNBIAS: tl.constexpr = 1.0):
     """(softmax scale, output scale): an fp8 cache's K scale multiplies every score, so it joins the
     softmax scale; its V scale multiplies every output row, so it is applied once at the end. Both
-    read on the device (a CUDA graph sees scales set after its capture)."""
+    read on the device (a CUDA graph sees scales set after its capture). UNBIAS: Fp8Widen's."""
     if KV_FP8:
-        return qk_scale * tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        return qk_scale * (tl.load(k_scale_ptr) * UNBIAS), tl.load(v_scale_ptr) * UNBIAS
     return qk_scale, 1.0
+
+
+@triton.jit
+def _prescale_q(q, KV_FP8: tl.constexpr, PRESCALE: tl.constexpr):
+    """q times Fp8Widen.PRESCALE (exact: a power of two), once per program before its key loop."""
+    if KV_FP8 and PRESCALE != 1.0:
+        return (q.to(tl.float32) * PRESCALE).to(q.dtype)
+    return q
 
 
 @triton.jit
@@ -70,6 +173,10 @@ def _attend_keys(
     PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    WIDEN: tl.constexpr = 0,
+    WIDEN_SHIFT: tl.constexpr = 0,
+    PRESCALE: tl.constexpr = 1.0,
+    WIDEN_ASM: tl.constexpr = "",
 ):
     """Fold keys lo..hi-1 into the running softmax state of the query rows q.
 
@@ -77,8 +184,10 @@ def _attend_keys(
     turn both off for the key tiles every row sees in full, which skips the masking work there.
     FOLD_SCALE applies the softmax scale to the row maxima and inside the exponent's
     multiply-add instead of to every score first, and accumulates P @ V inside the MMA.
-    KV_FP8: the cache holds fp8; its tiles are widened to q's dtype in registers (exact), and the caller
-    has folded the K scale into qk_scale and multiplies the output by the V scale (fp8_scales).
+    KV_FP8: the cache holds fp8; its tiles are widened to q's dtype in registers (_widen_fp8, WIDEN*),
+    and the caller has folded the K scale into qk_scale and multiplies the output by the V scale
+    (_fp8_scales), both times Fp8Widen.UNBIAS; q comes in times PRESCALE (_prescale_q), and the softmax
+    weights go into the P @ V dot times PRESCALE here.
     """
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -91,7 +200,7 @@ def _attend_keys(
         offs = _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOCK_SIZE)
         k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
         if KV_FP8:
-            k = k.to(q.dtype)
+            k = _widen_fp8(k, q, WIDEN, WIDEN_SHIFT, WIDEN_ASM)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if not FOLD_SCALE:
             scores = scores * qk_scale
@@ -114,7 +223,9 @@ def _attend_keys(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
         if KV_FP8:
-            v = v.to(q.dtype)
+            v = _widen_fp8(v, q, WIDEN, WIDEN_SHIFT, WIDEN_ASM)
+            if PRESCALE != 1.0:
+                p = p * PRESCALE
         if FOLD_SCALE:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         else:
@@ -152,6 +263,11 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
+    WIDEN: tl.constexpr = 0,
+    WIDEN_SHIFT: tl.constexpr = 0,
+    PRESCALE: tl.constexpr = 1.0,
+    UNBIAS: tl.constexpr = 1.0,
+    WIDEN_ASM: tl.constexpr = "",
 ):
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -182,7 +298,8 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row_ptr = bt_ptr + seq * stride_bt
-    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
+    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8, UNBIAS)
+    q = _prescale_q(q, KV_FP8, PRESCALE)
     # Keys 0..context+first_q are visible to every row; whole tiles of them need no mask.
     full_end = (context + first_q + 1) // BLOCK_N * BLOCK_N
     # The last valid query of the tile bounds the key loop (causal early stop).
@@ -212,6 +329,10 @@ def _prefill_kernel(
         PRECISION,
         FOLD_SCALE,
         KV_FP8,
+        WIDEN,
+        WIDEN_SHIFT,
+        PRESCALE,
+        WIDEN_ASM,
     )
     acc, m_i, l_i = _attend_keys(
         acc,
@@ -238,12 +359,38 @@ def _prefill_kernel(
         PRECISION,
         FOLD_SCALE,
         KV_FP8,
+        WIDEN,
+        WIDEN_SHIFT,
+        PRESCALE,
+        WIDEN_ASM,
     )
     acc = acc / l_i[:, None]
     if KV_FP8:
         acc = acc * v_scale
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """paged_prefill's tiling for one cache kind: query rows per program (G heads x block_m / G queries),
+    keys per tile (at head_dim <= 128; half that above), warps, stages, and the fp8 widening (WIDENS)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    widen: str = "cast"
+
+
+# 64 rows: G heads x 64/G queries. A pure long prefill costs the same K/V traffic as one head per program,
+# while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows. 64x64 tiles, 4 warps, 2
+# stages: best or within 3% of a 24-config sweep on an H100 (bf16, D 64 and 128, G 2..4), about 60% of
+# cuDNN's dense causal attention there. The folded scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k,
+# 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (the decode kernel's reasoning:
+# DECODE_TILES); each query tile widens every K/V tile it reads again, so more rows per program (block_m
+# 128) halve that work; `bash bench/gpu_check.sh decode-tiles` times those candidates.
+PREFILL_TILES = {"16bit": PrefillTiles(), "fp8": PrefillTiles(widen="asm")}
 
 
 def _check_inputs(
@@ -294,12 +441,14 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
     Sequence s owns q[query_start[s]:query_start[s+1]]; its cache holds seq_lens[s] tokens
     including those new ones, so query i sits at position seq_lens[s] - q_len + i. An fp8 cache is
-    read as stored * k_scale / v_scale (one-element float32 tensors).
+    read as stored * k_scale / v_scale (one-element float32 tensors). `tiles` overrides PREFILL_TILES
+    (the sweep of bench/gpu_check.py decode-tiles).
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -309,20 +458,17 @@ def paged_prefill(
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    # 64 rows: G heads x 64/G queries. A pure long prefill costs the same K/V traffic as one head
-    # per program, while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows.
-    # 64x64 tiles, 4 warps, 2 stages: best or within 3% of a 24-config sweep on an H100
-    # (bf16, D 64 and 128, G 2..4), about 60% of cuDNN's dense causal attention there. The folded
-    # scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k, 336 -> 346 at 2 x 8k).
-    tiles = {
-        "BLOCK_M": 64,
-        "BLOCK_N": 64 if head_dim <= 128 else 32,
-        "num_warps": 4,
-        "num_stages": 2,
+    tiles = tiles or PREFILL_TILES["fp8" if fp8 else "16bit"]
+    launch = {
+        "BLOCK_M": max(tiles.block_m, triton.next_power_of_2(group)),
+        "BLOCK_N": tiles.block_n if head_dim <= 128 else tiles.block_n // 2,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
         "FOLD_SCALE": True,
     }
-    tiles["BLOCK_M"] = max(tiles["BLOCK_M"], triton.next_power_of_2(group))
-    block_q = tiles["BLOCK_M"] // group
+    if fp8:  # the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches
+        launch.update(asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)))
+    block_q = launch["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](
         q,
@@ -350,6 +496,6 @@ def paged_prefill(
         BLOCK_D=triton.next_power_of_2(head_dim),
         PRECISION=_precision(q.dtype),
         KV_FP8=fp8,
-        **tiles,
+        **launch,
     )
     return out

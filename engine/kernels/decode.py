@@ -9,12 +9,21 @@ host sync and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import _LOG2E, _attend_keys, _check_inputs, _fp8_scales, _precision
+from engine.kernels.attention import (
+    _LOG2E,
+    _attend_keys,
+    _check_inputs,
+    _fp8_scales,
+    _precision,
+    _prescale_q,
+    fp8_widen,
+)
 
 
 @triton.jit
@@ -47,6 +56,11 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    WIDEN: tl.constexpr = 0,
+    WIDEN_SHIFT: tl.constexpr = 0,
+    PRESCALE: tl.constexpr = 1.0,
+    UNBIAS: tl.constexpr = 1.0,
+    WIDEN_ASM: tl.constexpr = "",
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,7 +84,8 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
+    qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8, UNBIAS)
+    q = _prescale_q(q, KV_FP8, PRESCALE)
     acc, m_i, l_i = _attend_keys(
         acc,
         m_i,
@@ -96,6 +111,10 @@ def _decode_kernel(
         PRECISION,
         False,
         KV_FP8,
+        WIDEN,
+        WIDEN_SHIFT,
+        PRESCALE,
+        WIDEN_ASM,
     )
     # An empty split (or a zero-length padding sequence) has l_i == 0: write zeros, not NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -147,6 +166,30 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The decode kernel's tiling for one cache kind: keys per tile (at head_dim <= 128; half that
+    above), warps, pipeline stages, and how fp8 tiles are widened (attention.WIDENS)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    widen: str = "cast"
+
+
+# The tiling per cache kind. 16-bit: 64 keys, 4 warps, 2 stages (attention.py's prefill sweep). fp8:
+# a 64-key fp8 tile moves half the bytes of a bf16 one for the same per-tile work (block-table gather,
+# two MMAs, softmax), and widening through cvt (1.5 conversion instructions per element at 16 per
+# clock per SM) costs about what streaming the bytes does: 128 keys, so a tile moves as many bytes as
+# the 16-bit one, widened by the asm bit moves. Chosen without a GPU run: `bash bench/gpu_check.sh
+# decode-tiles` times the candidates (bench/gpu_check.py DECODE_TILE_CANDIDATES) and is what to edit
+# this table after.
+DECODE_TILES = {
+    "16bit": DecodeTiles(block_n=64),
+    "fp8": DecodeTiles(block_n=128, widen="asm"),
+}
+
+
 # Decode programs to aim for per SM when choosing the split count.
 DECODE_PROGRAMS_PER_SM = 2
 
@@ -165,7 +208,7 @@ def num_sms(device: torch.device) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """KV splits for decode, from shapes only: about DECODE_PROGRAMS_PER_SM programs per SM.
 
-    Short contexts leave most of a large split count empty (a split holds whole 64-key tiles and
+    Short contexts leave most of a large split count empty (a split holds whole key tiles and
     the empty ones only write a zero partial), so the count need not know the context."""
     programs = max(1, num_seqs * num_kv_heads)
     return max(1, min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)))
@@ -182,13 +225,15 @@ def paged_decode(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [S, H, D], against keys 0..seq_lens[s]-1 -> [S, H, D].
 
     Split-KV (flash-decoding): program (s, kv head, split) runs all G query heads of the KV head
     over one chunk of keys; a reduce kernel merges the splits by their log-sum-exp. No host sync,
     grid from shapes only, so the call can be captured in a CUDA graph. An fp8 cache is read as
-    stored * k_scale / v_scale (one-element float32 tensors, read on the device).
+    stored * k_scale / v_scale (one-element float32 tensors, read on the device). `tiles` overrides
+    DECODE_TILES (the tile sweep of bench/gpu_check.py).
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -200,6 +245,9 @@ def paged_decode(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, kv_heads, num_sms(q.device))
     block_d = triton.next_power_of_2(head_dim)
+    tiles = tiles or DECODE_TILES["fp8" if fp8 else "16bit"]
+    # fp8: the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches.
+    widen = asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)) if fp8 else {}
     if num_splits > 1:
         part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -231,13 +279,14 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_N=tiles.block_n if head_dim <= 128 else tiles.block_n // 2,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
         KV_FP8=fp8,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **widen,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, heads)](
