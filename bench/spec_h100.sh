@@ -13,19 +13,24 @@
 #
 #   Here, in the repository root, once (.gitignore keeps /.spec_carry/ out of git; downloads ~100 MB):
 #     bash bench/spec_h100.sh prepare
-#   Then back to back on the device (vLLM's parts first, as ../shared/peers/README.md says; .peers copied there):
-#     run(carry=[".peers", ".vllm_whl/p1"], command="bash .peers/vllm_h100.sh stage 1")
-#     run(carry=[".peers", ".vllm_whl/p2"], command="bash .peers/vllm_h100.sh stage 2 && bash .peers/vllm_h100.sh install")
-#     run(carry=[".spec_carry/p1"], command="bash bench/spec_h100.sh stage 1")
-#     run(carry=[".spec_carry/p2"], command="bash bench/spec_h100.sh stage 2 && bash bench/spec_h100.sh install && bash bench/spec_h100.sh bench vllm-none pagoda-none vllm-ngram pagoda-ngram")
-#     run(command="bash bench/spec_h100.sh bench vllm-draft pagoda-draft")
+#   Then back to back on the device (vLLM's parts first, as ../shared/peers/README.md says, with ../shared/peers
+#   copied to .peers; call 1 also times issue 21's verify step, which needs neither vLLM nor the model):
+#     1 run(carry=[".peers", ".vllm_whl/p1"], command="bash .peers/vllm_h100.sh stage 1 && bash bench/gpu_check.sh verify")
+#     2 run(carry=[".peers", ".vllm_whl/p2"], command="bash .peers/vllm_h100.sh stage 2 && bash .peers/vllm_h100.sh install")
+#     3 run(carry=[".spec_carry/p1"], command="bash bench/spec_h100.sh stage 1")
+#     4 run(carry=[".spec_carry/p2"], command="bash bench/spec_h100.sh stage 2 && bash bench/spec_h100.sh install &&
+#           bash bench/spec_h100.sh bench pagoda-none vllm-none pagoda-ngram vllm-ngram")
+#     5 run(command="bash bench/spec_h100.sh bench pagoda-draft vllm-draft")
+#   (all six in one call: `bench` alone, once vLLM's compile cache is warm from call 4; STOP_AFTER guards the limit.)
 #   install exits 3 when a part is gone (a fresh machine: stage both again), 4 on a checksum mismatch.
 #   bench CONFIG... runs those configurations (default: all six; SERVER-SPEC, bench/spec_online.py) and leaves in
 #   $OUT spec_h100.jsonl (every row so far on this machine, /root/spec_results), spec_h100_summary.md (the
-#   table: tok/s, pagoda/vLLM per concurrency and speculation, acceptance, the crossover) and logs/CONFIG.log.
+#   table: tok/s, pagoda/vLLM per concurrency and speculation, acceptance, the crossover; a later row of a
+#   configuration and concurrency replaces an earlier one) and logs/CONFIG.log.
 #   Environment: CONCURRENCY (1,8,32), OUTPUT_LEN (128), PROMPTS_PER_CONCURRENCY (4), NUM_PROMPTS (8),
-#   NUM_WARMUPS (4), K (4), STOP_AFTER (400: no configuration starts after these seconds, so that a call ends
-#   within its 10 minutes; those left get a row saying so), and PAGODA_ARGS / VLLM_ARGS (more server flags).
+#   NUM_WARMUPS (4), K (4), DEVICE (cuda; cpu: a dry run of the pagoda half here), STOP_AFTER (400: no
+#   configuration starts after these seconds, so that a call ends within its 10 minutes; those left get a row
+#   saying so), and PAGODA_ARGS / VLLM_ARGS (more server flags).
 set -uo pipefail
 CARRY=.spec_carry
 PARTS=${SPEC_PARTS:-/root/spec_parts}     # outside the repo copy: kept while the machine stays warm
@@ -93,18 +98,20 @@ bench() {     # device: CONFIG... (default all six)
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0   # see ../shared/peers/vllm_h100.sh
   # Each server with its own packages first; the client (bench.latency: httpx, numpy) needs the image's only.
   export SPEC_PAGODA_PYTHONPATH=$PWD:$SITE:$VB_SITE SPEC_VLLM_PYTHONPATH=$VB_SITE:$SITE PYTHONPATH=$PWD:$SITE
-  local out=${OUT:-/tmp/spec_h100} configs
+  local out=${OUT:-/tmp/spec_h100} configs name
   configs=$(echo "${*:-pagoda-none vllm-none pagoda-ngram vllm-ngram pagoda-draft vllm-draft}" | tr ' ' ',')
   mkdir -p $RESULTS $out/logs
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  PYTHONPATH=$VB_SITE python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
-  python3 -m bench.spec_online run $MODEL --configs $configs --concurrency ${CONCURRENCY:-1,8,32} \
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  PYTHONPATH=$VB_SITE $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
+  # DEVICE=cpu: a dry run of the pagoda half on a machine without a GPU.
+  $PY -m bench.spec_online run $MODEL --configs $configs --concurrency ${CONCURRENCY:-1,8,32} \
     --output-len ${OUTPUT_LEN:-128} --prompts-per-concurrency ${PROMPTS_PER_CONCURRENCY:-4} \
-    --num-prompts ${NUM_PROMPTS:-8} --num-warmups ${NUM_WARMUPS:-4} --k ${K:-4} --device cuda \
-    --device-name "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-    --stop-after ${STOP_AFTER:-400} --out $RESULTS/spec_h100.jsonl --logs $out/logs 2>&1 | grep -E '^(===|RESULT|warm-up)|Error|error' | cut -c1-600
+    --num-prompts ${NUM_PROMPTS:-8} --num-warmups ${NUM_WARMUPS:-4} --k ${K:-4} --device ${DEVICE:-cuda} \
+    --device-name "${name:-${DEVICE:-cuda}}" --stop-after ${STOP_AFTER:-400} --out $RESULTS/spec_h100.jsonl \
+    --logs $out/logs 2>&1 | grep -E '^(===|RESULT|warm-up)|Error|error' | cut -c1-600
   cp $RESULTS/spec_h100.jsonl $out/
-  python3 -m bench.spec_online summary $RESULTS/spec_h100.jsonl --md $out/spec_h100_summary.md
+  $PY -m bench.spec_online summary $RESULTS/spec_h100.jsonl --md $out/spec_h100_summary.md
 }
 
 "$@"
