@@ -12,6 +12,7 @@
     python bench/gpu_check.py workload w2 --kv-cache-dtype fp8   # any workload over an fp8 KV cache
     python bench/gpu_check.py quant-decode               # decode tok/s, bf16 vs W8A16 / W4A16 / FP8 / W8A8
     python bench/gpu_check.py workload w1 --quantization fp8
+    python bench/gpu_check.py verify                     # spec-decode verify step (k = 4) vs decode step, batch 1-8
 
 Dummy bf16 weights of the shapes in bench/configs, ignore_eos, greedy. Each mode prints its rows
 (prefixed RESULT) and appends them to --out (default $OUT/gpu_check.jsonl when $OUT is set, else
@@ -817,6 +818,114 @@ def mode_roofline(args) -> None:
     )
 
 
+def _verify_phase(engine, draft_on: dict, on: bool, steps: int) -> tuple[list[float], int]:
+    """`steps` engine steps with drafts forced on or off: their wall times, and the draft tokens accepted."""
+    draft_on["on"] = on
+    times, accepted = [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        accepted += engine.last_step.num_accepted_tokens
+    return times, accepted
+
+
+def mode_verify(args) -> None:
+    """Issue 21's verify-step goal (Llama-3-8B shape, k = 4: at most 1.15x a decode step at batch 1-8).
+
+    One engine with n-gram speculation and the same running sequences (prompts of --verify-context tokens) in
+    alternating phases: steps whose every sequence verifies a k-token draft (k + 1 query tokens against the paged
+    cache, as the engine schedules them) and plain decode steps (drafts forced off). Both kinds of step then run
+    synchronously (a step that may speculate does), so their wall times compare the same work plus its drafts.
+    The drafts are forced (k copies of the sequence's last token, whatever n-gram lookup would find): a verify
+    step costs the same whichever tokens it scores, and dummy weights give no text to look up. The acceptance
+    estimates are frozen so that the cost model keeps every draft at k. The plain decode steps of an engine
+    without speculation (asynchronous scheduling, the production path) are timed too, as a second baseline.
+    Rows say which path each kind of step took: decode steps replay whole-step CUDA graphs, verify steps (several
+    query tokens per sequence) the piecewise graphs with attention run eagerly between them, or eager forwards.
+    """
+    model = args.verify_model or LLAMA_8B
+    k, ctx, steps = args.verify_k, args.verify_context, args.verify_steps
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    on_cuda = torch.cuda.is_available()
+    max_len = ctx + 3 * steps * (k + 1) + 64
+    budget = {"num_gpu_blocks_override": 8 * (max_len // 16 + 2) + 64} if on_cuda else {"cpu_kv_cache_bytes": 256 << 20}
+    # Piecewise graphs up to 64 tokens: the sizes (16, 32, 48, 64) the default's 1024 has there, without the time
+    # capturing the larger ones takes; a verify step of batch 8 is 8 x (k + 1) = 40 tokens.
+    common = {"max_model_len": max_len, "max_num_seqs": 8, "max_prefill_graph_tokens": 64, **budget, **_engine_kw(args)}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = _llm(model, args.backend, args.eager, speculative_config=spec, **common)
+    plain = _llm(model, args.backend, args.eager, **common)
+    engine = llm.engine
+    speculator = engine.speculator
+    speculator.cost_ratio = 0.0  # every draft as long as its room allows ...
+    speculator.observe = lambda *a: None  # ... at the prior acceptance estimate, whatever was accepted
+    draft_on = {"on": True}
+
+    def forced(seqs, ks):
+        return {s.seq_id: [int(s.token_ids[-1])] * int(n) for s, n in zip(seqs, ks)} if draft_on["on"] else {}
+
+    speculator._propose = forced
+    runner = engine.runner
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_len - ctx - 8, ignore_eos=True)
+    for batch in args.verify_batches:
+        prompts = [[int(t) % vocab for t in p] for p in _fixed_prompts(batch, ctx, seed=100 + batch)]
+        phases: dict[str, list[float]] = {"decode": [], "verify": []}
+        accepted = 0
+        for e in (engine, plain.engine):
+            for i, p in enumerate(prompts):
+                e.add_request(f"v{batch}-{i}", p, params)
+            started = set()
+            while len(started) < batch:  # prefill, then every sequence is decoding
+                started |= {o.request_id for o in e.step()}
+        _verify_phase(engine, draft_on, True, 3)  # warm-up of both kinds of step at this batch size
+        _verify_phase(engine, draft_on, False, 3)
+        replays0 = runner.prefill_graphs.replays if runner.prefill_graphs is not None else 0
+        for on in (False, True, False, True):  # alternating: the context grows alike under both
+            times, acc = _verify_phase(engine, draft_on, on, steps // 2)
+            phases["verify" if on else "decode"] += times
+            accepted += acc if on else 0
+        replays = (runner.prefill_graphs.replays if runner.prefill_graphs is not None else 0) - replays0
+        async_times = []
+        for _ in range(steps + 3):
+            t0 = time.perf_counter()
+            plain.engine.step()
+            async_times.append(time.perf_counter() - t0)
+        for e in (engine, plain.engine):
+            for i in range(batch):
+                e.abort_request(f"v{batch}-{i}")
+            while e.has_unfinished_requests():
+                e.step()
+        decode, verify = statistics.median(phases["decode"]), statistics.median(phases["verify"])
+        emit(
+            args,
+            {
+                "mode": "verify",
+                "model": Path(model).name,
+                "batch": batch,
+                "k": k,
+                "context": ctx,
+                "backend": args.backend,
+                "decode_step_ms": decode * 1e3,
+                "verify_step_ms": verify * 1e3,
+                "verify_over_decode": verify / decode,
+                "goal_1_15x_met": verify / decode <= 1.15,
+                "async_plain_decode_step_ms": statistics.median(async_times[3:]) * 1e3,
+                "verify_over_async_decode": verify / statistics.median(async_times[3:]),
+                "timed_steps_each": len(phases["verify"]),
+                "accepted_per_verify_step": accepted / max(1, len(phases["verify"]) * batch),
+                "decode_path": "cuda graph (whole step)" if runner.graphs is not None else "eager",
+                "verify_path": (
+                    "piecewise cuda graphs, attention eager"
+                    if replays >= len(phases["verify"])
+                    else f"eager ({replays} of {len(phases['verify'])} steps through piecewise graphs)"
+                ),
+            },
+        )
+
+
 # Quantized kinds at the Llama-3-8B shape (dummy weights): kind -> (--quantization, recipe of config.json's
 # quantization_config in bench/quant_checkpoints.py, or None for a load-time scheme or none).
 QUANT_KINDS = {
@@ -1295,10 +1404,11 @@ def main() -> None:
             "long-prompt",
             "long-decode",
             "quant-decode",
+            "verify",
         ],
     )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
-    parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
+    parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn", "cpu"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--sync",
@@ -1321,6 +1431,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")
+    parser.add_argument("--verify-model", default=None, help="verify mode: HF directory (default Llama-3-8B shape)")
+    parser.add_argument("--verify-k", type=int, default=4, help="verify mode: draft tokens per verify step")
+    parser.add_argument("--verify-context", type=int, default=1024, help="verify mode: prompt tokens per sequence")
+    parser.add_argument("--verify-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="verify mode: batches")
+    parser.add_argument("--verify-steps", type=int, default=40, help="verify mode: timed steps of each kind")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -1348,6 +1463,7 @@ def main() -> None:
         "ttft": mode_ttft,
         "gemms": mode_gemms,
         "quant-decode": mode_quant_decode,
+        "verify": mode_verify,
     }[args.mode](args)
 
 

@@ -1,7 +1,7 @@
 """Online serving benchmark (`pagoda bench serve`): streaming clients against any OpenAI-compatible server.
 
     python bench/latency.py --base-url http://127.0.0.1:8000 --max-concurrency 16 --num-prompts 200 \
-        [--dataset-name random|corpus] [--endpoint /v1/completions|/v1/chat/completions] \
+        [--dataset-name random|corpus|repeat] [--endpoint /v1/completions|/v1/chat/completions] \
         [--request-rate 4 --burstiness 1] [--duration 60] [--num-warmups 4] [--goodput ttft:500 tpot:50] \
         [--result-file out.json | --result-dir DIR] [--save-detailed] [--label pagoda]
     python bench/latency.py --sweep-concurrency 1,4,16,64,256 --result-file pagoda.json --plot sweep.png
@@ -24,6 +24,9 @@ Datasets:
           to text with the tokenizer for the chat endpoint.
   corpus  passages of a public-domain text, --input-len tokens each, --output-len tokens out. Default text:
           bench/data/jargon-file-4.4.7.txt (The Jargon File 4.4.7, from Debian's jargon-text; see its header).
+  repeat  the speculative-decoding workload (bench/spec_workload.py): chat requests asking to repeat a passage of
+          that text with one word changed, so most of the output is in the prompt (n-gram lookup finds it);
+          --output-len tokens out; /v1/chat/completions only.
 The tokenizer is the server's own (/tokenize and /detokenize, which pagoda and vLLM both serve: always the
 served model's), or --tokenizer DIR_OR_ID for a local Hugging Face tokenizer.
 
@@ -207,6 +210,19 @@ def corpus_dataset(
             i += 1
         ids = tokenizer.encode(text)[:input_len]
         prompts.append(Prompt(tokenizer.decode(ids), len(ids), output_len))
+    return prompts
+
+
+def repeat_dataset(num: int, output_len: int, tokenizer: Tokenizer | None, seed: int = 0) -> list[Prompt]:
+    """`num` chat prompts of the speculative-decoding workload (bench/spec_workload.py), on passages starting at
+    lines seed * num onwards of the text: the runs of a sweep (seeds 0, 1, 2, ...) ask about passages no earlier
+    run left in a prefix cache, as long as the text has lines enough (about 400)."""
+    from bench.spec_workload import line_passages, prompt_of
+
+    prompts = []
+    for passage in line_passages(num, first=seed * num):
+        text = prompt_of(passage)[0]["content"]
+        prompts.append(Prompt(text, len(tokenizer.encode(text)) if tokenizer else 0, output_len))
     return prompts
 
 
@@ -718,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--disable-tqdm", action="store_true")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", "--dataset", default="random", choices=["random", "corpus"])
+    data.add_argument("--dataset-name", "--dataset", default="random", choices=["random", "corpus", "repeat"])
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument(
@@ -737,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text (or .gz) for --dataset-name corpus; default: the Jargon File excerpt in bench/data",
     )
     data.add_argument("--input-len", type=int, default=512, help="corpus passage length, tokens")
-    data.add_argument("--output-len", type=int, default=128, help="corpus output length, tokens")
+    data.add_argument("--output-len", type=int, default=128, help="corpus and repeat output length, tokens")
 
     out = parser.add_argument_group("results")
     out.add_argument(
@@ -851,6 +867,10 @@ def _make_prompts(args: argparse.Namespace, seed: int, num: int, tokenizer: Toke
         if tokenizer is None:
             raise RuntimeError("the corpus dataset needs a tokenizer")
         return corpus_dataset(num, args.input_len, args.output_len, tokenizer, seed, args.corpus_file)
+    if args.dataset_name == "repeat":
+        if "chat" not in args.endpoint:
+            raise ValueError("the repeat dataset is chat requests: use --endpoint /v1/chat/completions")
+        return repeat_dataset(num, args.output_len, tokenizer, seed)
     lo, hi = (int(v) for v in args.random_token_range.split(","))
     as_text = "chat" in args.endpoint  # chat takes text; completions take the ids themselves
     return random_dataset(

@@ -8,11 +8,11 @@ workload.
 valid acceptance check: drafting for itself, every greedy draft token must be accepted); --full-k turns the
 cost model off (every decoding step drafts k tokens), to time the verify rounds themselves.
 
-Each prompt asks the default model (SmolLM2-135M-Instruct, through its chat template) to repeat a passage of
-the Jargon File (bench/data/jargon-file-4.4.7.txt) with one word changed, so most of the output is text the
-prompt already holds (--task free: to tell a story the passage brings to mind instead, which asks for no
-repetition, though a small model repeats itself anyway). Both
-engines (without and with --speculative-config) are loaded once; each passage is
+Each prompt (bench/spec_workload.py) asks the default model (SmolLM2-135M-Instruct, through its chat template) to
+repeat a passage of the Jargon File (bench/data/jargon-file-4.4.7.txt) with one word changed, so most of the output
+is text the prompt already holds (--task free: to tell a story the passage brings to mind instead, which asks for no
+repetition, though a small model repeats itself anyway). Both engines (without and with --speculative-config) are
+loaded once; each passage is
 generated greedily by one then the other, alternating which goes first, after a warm-up request on each. One
 JSON line per engine and passage, then a summary line: output tok/s of both and the speedup, the measured
 per-token acceptance a (accepted draft tokens / (accepted + rejections)), the mean draft length k, the cost
@@ -40,33 +40,11 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import torch  # noqa: E402
 
-from bench.naming import ROOT, results_path, short_commit  # noqa: E402
+from bench.naming import results_path, short_commit  # noqa: E402
+from bench.spec_workload import passages, prompt_of  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-CORPUS = ROOT / "bench" / "data" / "jargon-file-4.4.7.txt"
-
-
-def passages(count: int, chars: int = 700) -> list[str]:
-    """`count` passages of about `chars` characters from the body of the Jargon File, cut at line ends."""
-    text = CORPUS.read_text(encoding="utf-8", errors="replace")
-    out = []
-    for i in range(count):
-        start = text.index("\n", 20_000 + i * 23_000) + 1
-        end = text.index("\n", start + chars)
-        out.append(text[start:end].strip())
-    return out
-
-
-def prompt_of(passage: str, task: str) -> list[dict]:
-    """repeat: the prompt-lookup-friendly task; free: a story the passage brings to mind, in new words."""
-    if task == "repeat":
-        content = "Repeat the following text exactly, but write 'computer' instead of 'machine':\n\n" + passage
-    else:
-        content = "In your own words, tell a short story about a programmer that this text reminds you of:\n\n"
-        content += passage[:200]
-    return [{"role": "user", "content": content}]
 
 
 def timed_run(llm: LLM, prompt: list[int], max_tokens: int) -> dict:

@@ -166,6 +166,26 @@ def test_chat_corpus_and_poisson_duration(server, tmp_path):
     assert m["duration"] >= max(r["start"] + r["e2el"] for r in requests)
 
 
+def test_repeat_dataset_asks_to_repeat_corpus_passages(server, tmp_path):
+    """--dataset-name repeat (the speculative-decoding workload): chat requests quoting a passage of the corpus; each
+    run of a sweep asks about passages of its own; on /v1/completions it is refused before any request."""
+    corpus = latency.DEFAULT_CORPUS.read_text(encoding="utf-8", errors="replace")
+    prompts = latency.repeat_dataset(64, 8, None, seed=0) + latency.repeat_dataset(8, 8, None, seed=8)
+    assert len({p.prompt for p in prompts}) == len(prompts) == 72
+    for p in prompts:
+        instruction, passage = p.prompt.split("\n\n", 1)
+        assert instruction.startswith("Repeat the following text exactly") and p.output_len == 8
+        assert len(passage) >= 600 and passage in corpus
+
+    argv = ["--base-url", server.url, "--dataset-name", "repeat", "--output-len", "4", "--num-prompts", "2"]
+    rc, result = run(tmp_path, *argv, "--endpoint", "/v1/chat/completions", "--save-detailed")
+    assert rc == 0
+    for r in requests_of(result):
+        assert r["success"], r["error"]
+        assert r["output_tokens"] == 4 and r["prompt_len"] > 150  # the passage plus the instruction and template
+    assert latency.main([*argv, "--disable-tqdm"]) == 1  # /v1/completions
+
+
 def test_sweep_then_plot_two_result_files(server, tmp_path):
     rc, result = run(
         tmp_path,
