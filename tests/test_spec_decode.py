@@ -249,17 +249,23 @@ def test_stop_tokens_and_max_tokens_cut_the_accepted_tail(tiny_model_dir):
     assert [len(o[0]) for o in got] == [1, 2, 7, 13]
 
 
-def test_penalties_bias_and_min_tokens_see_each_positions_history(tiny_model_dir):
-    """Each verified position is processed with its own history (the draft tokens before it count for the
-    penalties, and min_tokens for its output index): greedy with them equals no speculation."""
-    model_dir = tiny_model_dir("qwen3")
-    prompts = repetitive_prompts(4, seed=10)
-    params = [
+def penalized_params(prompts: list[list[int]]) -> list[SamplingParams]:
+    """Greedy params for 4 prompts: a repetition penalty, presence + frequency penalties, a logit bias, and
+    min_tokens with stop tokens from the prompt."""
+    return [
         SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=0.8, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, max_tokens=24, logit_bias={prompts[2][1]: 5.0, prompts[2][3]: -5.0}),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, stop_token_ids=prompts[3][:4]),
     ]
+
+
+def test_penalties_bias_and_min_tokens_see_each_positions_history(tiny_model_dir):
+    """Each verified position is processed with its own history (the draft tokens before it count for the
+    penalties, and min_tokens for its output index): greedy with them equals no speculation."""
+    model_dir = tiny_model_dir("qwen3")
+    prompts = repetitive_prompts(4, seed=10)
+    params = penalized_params(prompts)
     want, _ = run(make(model_dir, None), prompts, params)
     got, stats = run(make(model_dir, 4), prompts, params)
     assert got == want and stats.num_drafts > 0
