@@ -289,6 +289,25 @@ def test_constrained_requests_decode_beside_speculating_ones(random_model_dir): 
     assert all(prefix_ok(spec, constraint, out[0]) for out in got[3:])
 
 
+def test_a_refused_constrained_row_ends_beside_speculating_ones(random_model_dir):  # noqa: F811 (the fixture)
+    """A constrained row whose grammar is complete while min_tokens bans the end of sequence gets no allowed
+    token: its sequence ends without it. In a speculative step its row sits after other sequences' verify
+    rows, and only it ends so; the outputs and finish reasons equal those without speculation."""
+    from tests.test_structured import json_constraint
+
+    prompts = repetitive_prompts(3, seed=16) + ["true or false?"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, constraint=json_constraint({"type": "boolean"}))
+    ]
+    outs = [make(random_model_dir, k).generate(prompts, params, use_tqdm=False) for k in (None, 3)]
+    for want, got in zip(*outs):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+    got = outs[1]
+    assert [o.outputs[0].finish_reason for o in got] == ["length"] * 3 + ["stop"]
+    assert got[3].outputs[0].text.strip() in ("true", "false") and len(got[0].outputs[0].token_ids) == 24
+
+
 def test_logprobs_are_the_targets(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(3, seed=4)

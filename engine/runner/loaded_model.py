@@ -39,8 +39,9 @@ PROFILE_PARAMS = SamplingParams(
 class LoadedModel:
     """`model_dir`'s model on config.device, its backend, sampler and (unbound) KV cache of `kv_dtype`.
 
-    `what` names it in the logs; `fa4_prefill_min_tokens`, `load_format` and `quantization` are the
-    engine's for the served model, while a draft model takes its checkpoint as it is."""
+    `what` names it in the logs ("the model" or "the draft model"); `fa4_prefill_min_tokens`, `load_format`
+    and `quantization` are the engine's for the served model, while a draft model takes its checkpoint as
+    it is."""
 
     def __init__(
         self,
@@ -71,14 +72,15 @@ class LoadedModel:
         )
         start = time.perf_counter()
         source = "dummy weights" if load_format == "dummy" else f"the weights of {model_dir}"
-        log.info("loading %s: %s (%s on %s)", what, source, config.dtype, config.device)
+        role = "" if what == "the model" else f", {what}"
+        log.info("loading %s (%s on %s%s)", source, config.dtype, config.device, role)
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, self.device, load_format, config.seed, self.backend, quantization
         )
         # The state dict holds quantized layers' buffers beside the parameters (and a tied head twice).
         weights = {t.data_ptr(): t for t in self.model.state_dict().values() if t is not None}
         weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        log.info("%s loaded in %.1f s (%.2f GiB)", what, time.perf_counter() - start, weight_bytes / 2**30)
+        log.info("weights loaded in %.1f s (%.2f GiB%s)", time.perf_counter() - start, weight_bytes / 2**30, role)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)

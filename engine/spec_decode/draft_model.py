@@ -72,9 +72,7 @@ class DraftModel(LoadedModel):
 
     def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int]):
         # Never the flash-attn-4 prompt path: the draft's prompts are catch-up chunks.
-        super().__init__(
-            config, model_dir, eos_token_ids, what=f"the draft model {model_dir}", kv_dtype=config.torch_dtype
-        )
+        super().__init__(config, model_dir, eos_token_ids, what="the draft model", kv_dtype=config.torch_dtype)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
