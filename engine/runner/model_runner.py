@@ -184,7 +184,7 @@ class ModelRunner(LoadedModel):
         max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
         if max_tokens >= 16:
             self.prefill_graphs = PrefillGraphs(self, max_tokens)
-        if self.draft is not None:
+        if self.draft is not None and self.draft.graphs_enabled():
             self.draft.capture_cuda_graphs(max_batch, max_model_len)
 
     def calibrate_kv_scales_on_next_prompt(self) -> None:

@@ -132,9 +132,12 @@ class DraftModel(LoadedModel):
             positions = np.array([ends[j] + i for j in active], dtype=np.int64)
             logits = self._decode(tokens, positions, [seqs[j].block_table for j in active])
         if not on_host:  # one read of every position's tokens
-            for (active, _), tokens in zip(drawn, torch.cat([t for _, t in drawn]).split([len(a) for a, _ in drawn])):
-                for j, token in zip(active, tokens.tolist()):
+            flat = torch.cat([tokens for _, tokens in drawn]).tolist()
+            offset = 0
+            for active, _ in drawn:
+                for j, token in zip(active, flat[offset : offset + len(active)]):
                     drafts[j].append(token)
+                offset += len(active)
         return drafts, {seq.seq_id: torch.stack(q) if q else None for seq, q in zip(seqs, probs)}
 
     def _decode(self, tokens: torch.Tensor, positions: np.ndarray, tables: list[list[int]]) -> torch.Tensor:
