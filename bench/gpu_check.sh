@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -25,6 +25,17 @@ for step in "$@"; do
            draft=$(python3 -c "from engine.default_model import default_model_dir as d; print(d())")
            python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --out $OUT/spec-draft.jsonl 2>&1 | tail -1
            python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --full-k --out $OUT/spec-draft.jsonl 2>&1 | tail -1 ;;
+    # The draft model's CUDA tests alone (decode graphs equal eager and no speculation, no capture or compile
+    # after start-up, the memory profile covering the draft): a few minutes.
+    spec-draft-graphs) python3 -m pytest -q -p no:cacheprovider tests/test_spec_draft.py -k cuda 2>&1 \
+             | tee $OUT/pytest-cuda-spec-draft-graphs.log | tail -5 ;;
+    # The default model drafting for itself with the full k, its draft decode on graphs then eager: the cost
+    # ratio c and tok/s of each (summary lines in $OUT/spec-draft-ab.jsonl).
+    spec-draft-ab) draft=$(python3 -c "from engine.default_model import default_model_dir as d; print(d())")
+           for eager in "" --enforce-eager; do
+             python3 -m bench.spec_decode --device cuda --draft $draft --k 4 --full-k --passages 2 $eager \
+               --out $OUT/spec-draft-ab.jsonl 2>&1 | tail -1 | cut -c1-600
+           done ;;
     # Issue 22's H100 speed table, in two calls of under 10 minutes: `quant-kernels` (kernel tests, per-layer
     # times, the W4A16 batch-1 tile sweep), then `quant-decode quant-w1` (Llama-3-8B decode at batch 1/16/64
     # for bf16, W8A16, W4A16 g128 GPTQ layout, FP8, W8A8 with dummy weights, one process per kind; W1 in bf16

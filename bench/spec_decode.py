@@ -2,11 +2,12 @@ r"""N-gram (or draft-model) speculative decoding against none, one process, batc
 workload.
 
     python -m bench.spec_decode [--passages 4] [--max-tokens 128] [--k 5] [--lookup-min 2] [--lookup-max 5] \
-        [--task repeat|free] [--draft PATH [--full-k]] [--device cpu] [--out FILE]
+        [--task repeat|free] [--draft PATH [--full-k]] [--device cpu] [--enforce-eager] [--out FILE]
 
 --draft PATH speculates with that draft model instead of n-gram lookup (the default model's own directory is a
 valid acceptance check: drafting for itself, every greedy draft token must be accepted); --full-k turns the
-cost model off (every decoding step drafts k tokens), to time the verify rounds themselves.
+cost model off (every decoding step drafts k tokens), to time the verify rounds themselves. --enforce-eager runs
+both engines (and the draft model) without CUDA graphs.
 
 Each prompt (bench/spec_workload.py) asks the default model (SmolLM2-135M-Instruct, through its chat template) to
 repeat a passage of the Jargon File (bench/data/jargon-file-4.4.7.txt) with one word changed, so most of the output
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="a draft model's directory: draft-model speculation")
     parser.add_argument("--full-k", action="store_true", help="always draft k tokens (no cost model)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the draft's decode too)")
     parser.add_argument("--out", default=None, help="JSONL file (default: bench.naming's results path)")
     args = parser.parse_args(argv)
     if args.draft is None:
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         name, spec = "draft", {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
-    common = dict(device=args.device, max_model_len=2048, cpu_kv_cache_bytes=256 << 20)
+    common = dict(
+        device=args.device, max_model_len=2048, cpu_kv_cache_bytes=256 << 20, enforce_eager=args.enforce_eager
+    )
     engines = {"plain": LLM(**common), name: LLM(**common, speculative_config=spec)}
     if args.full_k:
         engines[name].engine.speculator.cost_ratio = 0.0
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         "speculative_config": spec,
         "task": args.task,
         "full_k": args.full_k,
+        "enforce_eager": args.enforce_eager,
         "cost_model_c": engines[name].engine.speculator.cost_ratio,
     }
     runs: dict[str, list[dict]] = {"plain": [], name: []}

@@ -193,8 +193,22 @@ class _RandomRows:
     min_p_needed: bool
 
     def slice(self, start: int, stop: int) -> _RandomRows:
-        per_row = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
-        return replace(self, **{name: getattr(self, name)[start:stop] for name in per_row})
+        return replace(self, **{name: getattr(self, name)[start:stop] for name in _PER_ROW})
+
+    def select(self, positions: list[int]) -> _RandomRows:
+        """The rows at `positions` (among these rows, not batch indices), gathered on the device."""
+        index = _upload_ids(positions, self.seeds.device)
+        return replace(self, index=None, **{name: getattr(self, name)[index] for name in _PER_ROW})
+
+
+_PER_ROW = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+
+
+def _random_positions(rows: list[SamplerRow], batch_rows: list[int]) -> list[int]:
+    """The positions of random-sampled batch rows `batch_rows` among all the random-sampled rows of `rows`
+    (the order _RandomRows holds their parameters in)."""
+    position = np.cumsum([not r.params.greedy for r in rows]) - 1
+    return position[batch_rows].tolist()
 
 
 def _to_device(
@@ -249,7 +263,7 @@ class Sampler:
             token_ids = x.argmax(dim=-1)
             token_ids[random.index] = self._sample(x[random.index], random)
         if drafted is not None:
-            token_ids[drafted_index] = self._accept(held, [rows[i] for i in drafted.rows], drafted)
+            token_ids[drafted_index] = self._accept(held, random.select(_random_positions(rows, drafted.rows)), drafted)
         return self._logprobs(logits, rows, token_ids)
 
     def propose(self, logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,12 +288,11 @@ class Sampler:
         token_ids[random.index] = drawn
         return token_ids, q
 
-    def _accept(self, x: torch.Tensor, rows: list[SamplerRow], drafted: DraftedRows) -> torch.Tensor:
+    def _accept(self, x: torch.Tensor, random: _RandomRows, drafted: DraftedRows) -> torch.Tensor:
         """The standard rule at sampled rows that check a draft token d drawn from q: with p the row's filtered
         distribution (x: its processed logits), d is kept with probability min(1, p(d) / q(d)); otherwise the
         token is drawn from norm(max(0, p - q)), which never holds d. Given the draft, each outcome then has
         probability exactly p's (Leviathan et al. 2023, Chen et al. 2023)."""
-        random = self._upload(rows).random  # every drafted row is a random (non-greedy) one
         self._filter(x, random)
         p = x.softmax(dim=-1)
         q = drafted.q

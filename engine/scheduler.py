@@ -13,6 +13,7 @@ before any waiting one is admitted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -344,63 +345,41 @@ class Scheduler:
         outputs changed (a final_only request only once a sequence of it finished).
 
         In a speculative step (plan.drafts), `token_ids` and `logprobs` hold len(draft) + 1 rows per sampling
-        row (engine/spec_decode/rejection.py); see _update_speculative."""
+        row (engine/spec_decode/rejection.py): each sequence takes its accepted draft tokens and the target's
+        next one, in order, until one of them stops it (eos, stop token or string, max_tokens); a speculating
+        sequence then gives back the computed tokens (and the blocks) of what was rejected, and the blocks its
+        accepted tokens filled go to the prefix cache; `refused` indexes those rows too."""
         for item, end in zip(plan.scheduled, plan.ends):
             # Not for a sequence preempted (or finished) since: its blocks are gone. Not for a speculating one
-            # yet: its draft's tokens are not verified (_update_speculative names what was accepted).
+            # yet: its draft's tokens are not verified (below, once it is known what was accepted).
             if item.seq.status is SequenceStatus.RUNNING and not item.draft:
                 self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
-        if plan.drafts is not None:
-            return self._update_speculative(plan, token_ids, logprobs, refused)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        logprobs = logprobs or [None] * len(plan.sampling)
-        for row, ((seq, _), slot, token, token_logprobs) in enumerate(
-            zip(plan.sampling, plan.slots, token_ids, logprobs)
-        ):
+        logprobs = logprobs or [None] * len(token_ids)
+        if plan.drafts is None:  # one row each, nothing to accept
+            drafts, accepted = itertools.repeat(()), itertools.repeat(0)
+        else:
+            drafts, accepted = plan.drafts, accepted_lengths(plan.drafts, token_ids).tolist()
+        row = 0
+        for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, drafts, accepted):
+            first, row = row, row + len(draft) + 1
             if seq.is_finished:  # aborted, or stopped by the token before this one
                 continue
-            if row in refused:
-                # The mask left no allowed token (the grammar and min_tokens both banned every one):
-                # the sequence ends where it is, without the token.
-                log.warning("request %s: token %d breaks its grammar; ending the output", seq.request.request_id, token)
+            if first in refused:
+                # The mask left no allowed token (the grammar and min_tokens both banned every one): the
+                # sequence ends where it is, without the token. A constrained row never has a draft.
+                log.warning(
+                    "request %s: token %d breaks its grammar; ending the output",
+                    seq.request.request_id,
+                    token_ids[first],
+                )
                 self._stop(seq, "stop", None)
             else:
-                self._put_token(seq, slot, token, token_logprobs)
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if seq.is_finished or request.params.output_kind != "final_only":
-                touched[request.request_id] = request
-        return list(touched.values())
-
-    def _update_speculative(
-        self,
-        plan: LaunchedPlan,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs | None] | None,
-        refused: set[int] | frozenset[int],
-    ) -> list[Request]:
-        """update() of a step that verified drafts: each sequence takes its accepted draft tokens and the
-        target's next one, in order, until one of them stops it (eos, stop token or string, max_tokens); a
-        speculating sequence then gives back the computed tokens (and the blocks) of what was rejected, and
-        the blocks its accepted tokens filled go to the prefix cache."""
-        now = time.monotonic()
-        stepped: list[Sequence] = []
-        accepted = accepted_lengths(plan.drafts, token_ids)
-        logprobs = logprobs or [None] * len(token_ids)
-        offset = 0
-        for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, plan.drafts, accepted.tolist()):
-            start, offset = offset, offset + len(draft) + 1
-            if seq.is_finished:  # aborted while the step ran
-                continue
-            if start in refused:  # a constrained row (never one with a draft): see update()
-                log.warning("request %s: token breaks its grammar; ending the output", seq.request.request_id)
-                self._stop(seq, "stop", None)
-            for i in range(start, start + num_accepted + 1):
-                if seq.is_finished:
-                    break  # stopped by an accepted token: the rest of the draft is dropped
-                self._put_token(seq, slot + i - start, token_ids[i], logprobs[i])
+                for i in range(num_accepted + 1):
+                    self._put_token(seq, slot + i, token_ids[first + i], logprobs[first + i])
+                    if seq.is_finished:
+                        break  # stopped by an accepted token: the rest of the draft is dropped
             if draft:
                 plan.accepted.append((seq, len(draft), num_accepted))
                 if seq.status is SequenceStatus.RUNNING:
@@ -410,13 +389,12 @@ class Scheduler:
                     seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
                     self.block_manager.trim(seq, seq.num_computed_tokens)
                     self.block_manager.name_full_blocks(seq, seq.num_computed_tokens, num_accepted + 1)
-            stepped.append(seq)
-        for seq in stepped:
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-        # As in update(): a final_only request only once a sequence of it finished.
-        changed = [s.request for s in stepped if s.is_finished or s.request.params.output_kind != "final_only"]
-        return list({request.request_id: request for request in changed}.values())
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if seq.is_finished or request.params.output_kind != "final_only":
+                touched[request.request_id] = request
+        return list(touched.values())
 
     def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""

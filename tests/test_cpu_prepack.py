@@ -51,7 +51,7 @@ def test_bf16_greedy_is_the_same_with_and_without_prepacking(tiny_model_dir, mon
 
     packed, with_packing = greedy()
     assert packed
-    monkeypatch.setattr("engine.runner.model_runner.can_prepack", lambda dtype, device: False)
+    monkeypatch.setattr("engine.runner.loaded_model.can_prepack", lambda dtype, device: False)
     packed, without = greedy()
     assert not packed
     assert with_packing == without

@@ -249,17 +249,23 @@ def test_stop_tokens_and_max_tokens_cut_the_accepted_tail(tiny_model_dir):
     assert [len(o[0]) for o in got] == [1, 2, 7, 13]
 
 
-def test_penalties_bias_and_min_tokens_see_each_positions_history(tiny_model_dir):
-    """Each verified position is processed with its own history (the draft tokens before it count for the
-    penalties, and min_tokens for its output index): greedy with them equals no speculation."""
-    model_dir = tiny_model_dir("qwen3")
-    prompts = repetitive_prompts(4, seed=10)
-    params = [
+def penalized_params(prompts: list[list[int]]) -> list[SamplingParams]:
+    """Greedy params for 4 prompts: a repetition penalty, presence + frequency penalties, a logit bias, and
+    min_tokens with stop tokens from the prompt."""
+    return [
         SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=0.8, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, max_tokens=24, logit_bias={prompts[2][1]: 5.0, prompts[2][3]: -5.0}),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, stop_token_ids=prompts[3][:4]),
     ]
+
+
+def test_penalties_bias_and_min_tokens_see_each_positions_history(tiny_model_dir):
+    """Each verified position is processed with its own history (the draft tokens before it count for the
+    penalties, and min_tokens for its output index): greedy with them equals no speculation."""
+    model_dir = tiny_model_dir("qwen3")
+    prompts = repetitive_prompts(4, seed=10)
+    params = penalized_params(prompts)
     want, _ = run(make(model_dir, None), prompts, params)
     got, stats = run(make(model_dir, 4), prompts, params)
     assert got == want and stats.num_drafts > 0
@@ -281,6 +287,25 @@ def test_constrained_requests_decode_beside_speculating_ones(random_model_dir): 
     got, stats = run(spec, prompts, params)
     assert got == want and stats.num_drafts > 0
     assert all(prefix_ok(spec, constraint, out[0]) for out in got[3:])
+
+
+def test_a_refused_constrained_row_ends_beside_speculating_ones(random_model_dir):  # noqa: F811 (the fixture)
+    """A constrained row whose grammar is complete while min_tokens bans the end of sequence gets no allowed
+    token: its sequence ends without it. In a speculative step its row sits after other sequences' verify
+    rows, and only it ends so; the outputs and finish reasons equal those without speculation."""
+    from tests.test_structured import json_constraint
+
+    prompts = repetitive_prompts(3, seed=16) + ["true or false?"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, constraint=json_constraint({"type": "boolean"}))
+    ]
+    outs = [make(random_model_dir, k).generate(prompts, params, use_tqdm=False) for k in (None, 3)]
+    for want, got in zip(*outs):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+    got = outs[1]
+    assert [o.outputs[0].finish_reason for o in got] == ["length"] * 3 + ["stop"]
+    assert got[3].outputs[0].text.strip() in ("true", "false") and len(got[0].outputs[0].token_ids) == 24
 
 
 def test_logprobs_are_the_targets(tiny_model_dir):

@@ -25,6 +25,7 @@ from tests.test_spec_decode import (
     STAT_PARAMS,
     chi_square_p,
     filtered_next_token_probs,
+    penalized_params,
     repetitive_prompts,
     run,
 )
@@ -161,6 +162,79 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, drafts):
     assert first == second and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_penalties_beside_plain_rows_see_each_draft_positions_history(tiny_model_dir):
+    """The target as its own draft, penalized rows beside plain ones: the draft processes its position i with
+    its draft tokens 0..i-1 counted (read on the host as they are drawn), as the target does, so every draft
+    token is accepted, and the output is that of no speculation."""
+    model_dir = tiny_model_dir("qwen3")
+    prompts = repetitive_prompts(4, seed=10)
+    params = penalized_params(prompts) + [SamplingParams(temperature=0.0, max_tokens=17)]
+    prompts.append(repetitive_prompts(1, seed=15)[0])
+    want, _ = run(make(model_dir, None), prompts, params)
+    got, stats = run(make(model_dir, model_dir, 4), prompts, params)
+    assert got == want
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_drafted_rows_are_checked_with_their_own_parameters_in_a_mixed_batch():
+    """The acceptance rule takes the drafted rows' parameters from the batch's own upload: in a batch that
+    mixes greedy rows, random rows without a draft and drafted rows (each with its temperature, filters,
+    seed and output index), every row's token is the one it gets sampled or checked without the others."""
+    from engine.sampler import DraftedRows, SamplerRow
+
+    sampler = Sampler(8, frozenset(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    n = 90
+    params = [
+        SamplingParams(temperature=0.0)
+        if i % 3 == 0
+        else SamplingParams(temperature=0.5 + 0.02 * i, top_p=0.9 if i % 2 else 1.0, top_k=5 if i % 5 == 1 else 0)
+        for i in range(n)
+    ]
+    rows = [SamplerRow(p, 100 + i, [1], [], 3 + i % 7) for i, p in enumerate(params)]
+    logits = torch.randn(n, 8, generator=gen) * 2
+    drafted = [i for i in range(n) if i % 3 == 2]
+    alone = [rows[i] for i in drafted]
+    tokens, q = sampler.propose(torch.randn(len(drafted), 8, generator=gen) * 2, alone)  # a draft unlike p
+    tokens = tokens.tolist()
+    mixed = sampler(logits, rows, drafted=DraftedRows(drafted, tokens, q)).token_ids
+    checked = sampler(logits[drafted], alone, drafted=DraftedRows(list(range(len(drafted))), tokens, q)).token_ids
+    assert mixed[drafted].tolist() == checked.tolist()
+    assert checked.tolist() != tokens  # some drafts were rejected: the residual draws ran too
+    others = [i for i in range(n) if i not in drafted]
+    assert mixed[others].tolist() == sampler(logits, rows).token_ids[others].tolist()
+
+
+def test_the_memory_profile_runs_the_drafts_largest_forward_and_proposal(tiny_model_dir, drafts):
+    """The profiling forward that sizes the pool runs the draft model over max_num_batched_tokens tokens
+    before the model's own forward, and holds the distributions of k draft tokens for as many sequences as
+    may speculate through it (the CUDA test below measures the memory itself)."""
+    llm = make(tiny_model_dir("llama"), drafts["llama"], 3, batch_limit=5, max_num_batched_tokens=96, max_num_seqs=8)
+    runner = llm.engine.runner
+    calls: list[tuple[str, int]] = []
+    hooks = [
+        model.register_forward_hook(lambda _m, args, _out, name=name: calls.append((name, len(args[0]))))
+        for name, model in (("draft", runner.draft.model), ("model", runner.model))
+    ]
+    held = []
+    propose = runner.draft.sampler.propose
+
+    def recording(logits, rows):
+        held.append(len(rows))
+        return propose(logits, rows)
+
+    runner.draft.sampler.propose = recording
+    try:
+        runner.profile_forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == [("draft", 96), ("model", 96)]
+    assert held == [5] * 3  # k proposals for batch_limit rows
+    q = runner.draft.profile_forward(96, 8)
+    assert q.shape == (5 * 3, runner.draft.vocab_size)
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -171,7 +245,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir, drafts):
     """As tests/test_spec_decode.py's test of that name, with a draft model: 6 sequences under a limit of 4
     start without drafts, their steps overlapped, and speculate synchronously once fewer are left; on the GPU,
-    verify steps and the draft's eager forwards come between decode-graph steps."""
+    verify steps and the draft's forwards (eager catch-up, decode graphs with the triton backend) come between
+    the model's decode-graph steps."""
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
@@ -184,6 +259,144 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
     got, stats = run(llm, prompts, params)
     assert got == want and stats.num_accepted_tokens > 0
     assert not any(llm.engine.block_manager.ref_counts)
+
+
+@CUDA
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_draft_decode_graphs_equal_eager_and_no_speculation(arch, tiny_model_dir, drafts, monkeypatch):
+    """On the GPU the draft model's decode forwards replay CUDA graphs captured at start-up, and no graph is
+    captured while serving; greedy output with them equals the eager draft's (--enforce-eager) and no
+    speculation's. The target as its own draft has every draft token accepted under the graphs: the replays
+    store the draft's K/V where its next forwards read them. Drafts of 3 tokens cut short near max_tokens
+    make the later replays run for fewer sequences than the first."""
+    model_dir = tiny_model_dir(arch)
+    prompts = repetitive_prompts(6, seed=12)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 5 * i, ignore_eos=True) for i in range(6)]
+    kwargs = dict(
+        dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks_override=256, max_num_seqs=8
+    )
+    want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
+    captures = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+    for draft, eager in ((drafts[arch], True), (drafts[arch], False), (model_dir, False)):
+        spec = {"model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+        llm = LLM(str(model_dir), speculative_config=spec, enforce_eager=eager, **kwargs)
+        llm.engine.speculator.cost_ratio = 0.0
+        graphs = llm.engine.runner.draft.graphs
+        assert (graphs is None) == eager
+        monkeypatch.setattr(
+            torch.cuda.CUDAGraph, "capture_begin", lambda *a, **kw: captures.append(1) or begin(*a, **kw)
+        )
+        got, stats = run(llm, prompts, params)
+        monkeypatch.undo()
+        assert got == want, (draft, eager)
+        assert stats.num_accepted_tokens > 0
+        if draft == model_dir:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        if not eager:
+            assert graphs.replays > 0 and graphs.sizes[-1] == 8
+        assert not any(llm.engine.block_manager.ref_counts)
+        del llm
+    assert captures == []
+
+
+_NO_COMPILE_DRAFT_SCRIPT = """
+import json, sys, torch
+from bench.compiles import count_compiles
+from engine import LLM, SamplingParams
+spec = {"model": sys.argv[2], "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, max_model_len=256,
+          max_num_batched_tokens=128, max_prefill_graph_tokens=64, enforce_eager=sys.argv[3] == "eager",
+          speculative_config=spec)
+llm.engine.speculator.cost_ratio = 0.0
+prompts = json.loads(sys.argv[4])
+with count_compiles() as compiled:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1), use_tqdm=False)
+print(json.dumps({"backend": llm.engine.runner.draft.backend.name, "compiled": dict(compiled),
+                  "graphs": llm.engine.runner.draft.graphs is not None}))
+"""
+
+
+@CUDA
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_cuda_no_triton_kernel_compiles_after_start_up_with_a_draft_model(mode, tiny_model_dir, drafts):
+    """As tests/test_cuda.py's test of that name, with a draft model: its catch-up forwards (prompts of
+    21 to 174 tokens, chunked at 128), its decode steps (graphs, or eager), the model's verify steps and the
+    sampled path compile nothing after start-up; eager decode kernels excepted, as there. A fresh process."""
+    import subprocess
+    import sys
+
+    prompts = [p * 6 for p in repetitive_prompts(4, seed=13)] + [repetitive_prompts(1, length=17)[0]]
+    root = Path(__file__).resolve().parents[1]
+    args = [str(tiny_model_dir("llama")), str(drafts["llama"]), mode, json.dumps(prompts)]
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILE_DRAFT_SCRIPT, *args], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    compiled = report["compiled"]
+    assert report["backend"] == "triton" and report["graphs"] == (mode == "graphs")
+    if mode == "eager":
+        compiled = {k: n for k, n in compiled.items() if not k.endswith(("._decode_kernel", "._decode_reduce_kernel"))}
+    assert compiled == {}
+
+
+def wide_draft(out_dir: Path) -> Path:
+    """A random Llama of the tiny models' vocabulary whose layers are far wider than theirs: a draft whose
+    activations outweigh the model's."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import TINY
+
+    config = LlamaConfig(**{**TINY, "hidden_size": 512, "intermediate_size": 4096, "num_attention_heads": 8})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    return out_dir
+
+
+@CUDA
+def test_cuda_memory_profile_leaves_room_for_the_drafts_activations(tiny_model_dir, tmp_path):
+    """The profiling forward that sizes the KV pool peaks at least as high as the draft model's largest
+    catch-up forward and proposal (a draft with wider layers than the model, whose activations the model's
+    forward alone would under-count), and an engine sized from it (with both models' graphs measured) serves
+    greedy output equal to no speculation's."""
+    import gc
+
+    gc.collect()  # engines of earlier tests hold GPU memory until collected
+    torch.cuda.empty_cache()
+    model_dir, draft = tiny_model_dir("llama"), wide_draft(tmp_path / "wide")
+    kwargs = dict(dtype="float32", device="cuda", max_model_len=256, max_num_batched_tokens=8192, max_num_seqs=64)
+    spec = {"model": str(draft), "num_speculative_tokens": 4, "disable_by_batch_size": 16}
+    prompts = repetitive_prompts(4, seed=14)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want, _ = run(LLM(str(model_dir), num_gpu_blocks_override=64, **kwargs), prompts, params)
+    sized = LLM(str(model_dir), speculative_config=spec, gpu_memory_utilization=0.5, **kwargs)
+    sized.engine.speculator.cost_ratio = 0.0
+    assert sized.engine.runner.draft.graphs is not None
+    got, stats = run(sized, prompts, params)
+    assert got == want and stats.num_draft_tokens > 0
+    del sized
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    runner = LLM(str(model_dir), speculative_config=spec, num_gpu_blocks_override=64, **kwargs).engine.runner
+
+    def peak(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    # After these forwards the runner's caches are unbound: it serves nothing more.
+    model_alone = peak(lambda: runner.dummy_forward([128] * 64))
+    draft_alone = peak(lambda: runner.draft.profile_forward(8192, 64))
+    whole = peak(runner.profile_forward)
+    assert draft_alone > 2 * model_alone  # the premise: the draft's activations dominate
+    assert whole >= draft_alone
 
 
 # ----- sampling: the distribution is the target's (chi-square) -----

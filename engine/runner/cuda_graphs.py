@@ -79,19 +79,22 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.host_tables = [torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.turn = 0
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's copies
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # positions + 1, in the graph
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # steps run through the graphs (tests read it)
         pool = torch.cuda.graph_pool_handle()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         for batch in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._capture(batch, pool)
         torch.cuda.synchronize(device)
         log.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, using %.2f GiB",
+            "captured %d decode CUDA graphs of %s (batch %d..%d) in %.1f s, using %.2f GiB",
             len(self.sizes),
+            runner.what,
             self.sizes[0],
             self.sizes[-1],
             time.perf_counter() - start,
@@ -146,8 +149,11 @@ class DecodeGraphs:
         bs = self.runner.block_size
         # Two staging buffers, alternating: with async scheduling this step's inputs are written
         # while the previous step's copy from the other buffer may still be queued. The one from
-        # two steps back has landed: its step's tokens were waited for before this launch.
+        # two steps back has landed when its step's tokens were waited for before this launch; a
+        # caller that replays several steps with no wait between them (a draft model's k decode
+        # steps) waits here for that copy, not for any later work.
         self.turn ^= 1
+        self.staged[self.turn].synchronize()  # at once if never recorded
         host_tensor, tables_tensor = self.host[self.turn], self.host_tables[self.turn]
         host = host_tensor.numpy()
         host[0, :n] = token_ids
@@ -161,8 +167,10 @@ class DecodeGraphs:
         host[2, n:batch] = -1
         self.inputs[:, :batch].copy_(host_tensor[:, :batch], non_blocking=True)
         self.block_tables[:n, :width].copy_(tables_tensor[:n, :width], non_blocking=True)
+        self.staged[self.turn].record()
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
+        self.replays += 1
         self.graphs[batch].replay()
         return self.logits[batch][:n]
 

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.faults import FaultInjector
-from engine.layers.linear import can_prepack, prepack_linears
-from engine.loader import head_dim_of, load_model, read_hf_config
-from engine.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
-from engine.runner.kv_cache import KVCache, blocks_that_fit_on_gpu
+from engine.runner.cuda_graphs import PrefillGraphs
+from engine.runner.kv_cache import blocks_that_fit_on_gpu
+from engine.runner.loaded_model import PROFILE_PARAMS, LoadedModel
 from engine.runner.pooler import PooledRows, Pooler
 from engine.runner.step_inputs import attention_metadata, placeholders, step_inputs, upload
-from engine.sampler import DraftedRows, Sampler, SamplerRow
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampler import DraftedRows, SamplerRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
 from engine.spec_decode import expand_rows, verify_row
@@ -60,52 +56,27 @@ class LaunchedStep:
         return {seq.seq_id: row for row, (seq, _) in enumerate(self.sampling)}
 
 
-class ModelRunner:
+class ModelRunner(LoadedModel):
+    """The served model (engine/runner/loaded_model.py), its pooler, and the draft model of draft-model
+    speculation if there is one; sizes the KV pool, captures the graphs, runs each step."""
+
     def __init__(
         self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int], draft_dir: str | None = None
     ):
-        self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype
-        self.block_size = config.block_size
-        self.backend = select_backend(
-            config.attention_backend,
-            self.device,
-            self.dtype,
-            config.block_size,
-            head_dim_of(read_hf_config(model_dir)),
-            config.fa4_prefill_min_tokens,
-            config.max_num_batched_tokens,
-            config.kv_torch_dtype,
+        super().__init__(
+            config,
+            model_dir,
+            eos_token_ids,
+            what="the model",
+            kv_dtype=config.kv_torch_dtype,
+            fa4_prefill_min_tokens=config.fa4_prefill_min_tokens,
+            load_format=config.load_format,
+            quantization=config.quantization,
         )
-        start = time.perf_counter()
-        what = "dummy weights" if config.load_format == "dummy" else f"the weights of {model_dir}"
-        log.info("loading %s (%s on %s)", what, config.dtype, config.device)
-        self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, config.load_format, config.seed, self.backend, config.quantization
-        )
-        # The state dict holds quantized layers' buffers beside the parameters (and a tied head twice).
-        weights = {t.data_ptr(): t for t in self.model.state_dict().values() if t is not None}
-        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        log.info("weights loaded in %.1f s (%.2f GiB)", time.perf_counter() - start, weight_bytes / 2**30)
-        mc = self.model.config
-        self.vocab_size = mc.vocab_size
-        self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
         self.pooler = Pooler(self.device)
-        self.kv_cache = KVCache(
-            self.model.attention_layers(),
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.kv_torch_dtype,
-            self.device,
-        )
-        if can_prepack(self.dtype, self.device):
-            prepack_linears(self.model)
         # Draft-model speculation: the draft's K/V live in the same blocks (engine/spec_decode/draft_model.py).
         self.draft = DraftModel(config, draft_dir, eos_token_ids) if draft_dir is not None else None
         self.kv_caches = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None else [])
-        self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.faults: FaultInjector | None = None  # test-only (engine/faults.py); the engine sets it
 
@@ -115,6 +86,8 @@ class ModelRunner:
         """Size the block pool from the memory budget, allocate it, bind it to the layers."""
         if self.device.type == "cuda":
             self.compile_kernels()
+            if self.draft is not None:
+                self.draft.compile_kernels()
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -122,7 +95,7 @@ class ModelRunner:
                 self.device,
                 self.config.gpu_memory_utilization,
                 self.bytes_per_block,
-                self._profile_forward,
+                self.profile_forward,
                 lambda: self._graph_memory(max_model_len),
             )
         else:
@@ -156,12 +129,13 @@ class ModelRunner:
             kv_cache.copy_blocks(copies)
 
     def _graph_memory(self, max_model_len: int) -> int:
-        """Bytes the CUDA graphs will hold (their memory pools and static buffers), found by capturing
-        them once against a one-block cache and releasing them. The graphs keep the address of the
-        cache they were captured with, so the real capture has to come after the real cache."""
-        if not self._graphs_enabled():
+        """Bytes the CUDA graphs (the draft model's too) will hold (their memory pools and static buffers),
+        found by capturing them once against one-block caches and releasing them. The graphs keep the
+        address of the cache they were captured with, so the real capture has to come after the real cache."""
+        if not self.graphs_enabled():
             return 0
-        self.kv_cache.bind(1)  # the captures store nothing (slot -1) and read only block 0
+        for kv_cache in self.kv_caches:
+            kv_cache.bind(1)  # the captures store nothing (slot -1) and read only block 0
         before = torch.cuda.memory_reserved(self.device)
         level = log.level
         log.setLevel(logging.WARNING)  # the capture is logged once, when it is done for real
@@ -173,81 +147,45 @@ class ModelRunner:
         torch.cuda.empty_cache()
         used = torch.cuda.memory_reserved(self.device) - before
         self.graphs = self.prefill_graphs = None
-        self.kv_cache.bind(0)
+        if self.draft is not None:
+            self.draft.graphs = None
+        for kv_cache in self.kv_caches:
+            kv_cache.bind(0)
         gc.collect()
         torch.cuda.empty_cache()
         return max(0, used)
 
-    def _graphs_enabled(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_graphs
-
-    def _why_no_graphs(self) -> str:
-        if self.device.type != "cuda":
-            return f"the device is {self.device.type}"
-        if self.config.enforce_eager:
-            return "--enforce-eager"
-        return f"the {self.backend.name} attention backend does not support them"
-
     @torch.inference_mode()
-    def _profile_forward(self) -> None:
-        """One forward + sampling over max_num_batched_tokens dummy tokens, with a throwaway cache."""
+    def profile_forward(self) -> None:
+        """The largest step's activations: one forward + sampling over max_num_batched_tokens dummy tokens,
+        with a throwaway cache, after the draft model's largest catch-up forward and proposal (whose draft
+        distributions a verify step holds through the model's forward)."""
         cfg = self.config
         num_tokens = cfg.max_num_batched_tokens
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
-        hidden = self._dummy_forward(lens)
+        held = self.draft.profile_forward(num_tokens, num_seqs) if self.draft is not None else None
+        hidden = self.dummy_forward(lens)
         logits = self.model.compute_logits(hidden[:num_seqs])
-        # The sampler's worst case too: every row filtered, penalized and asking for logprobs.
-        params = SamplingParams(
-            temperature=1.0,
-            top_k=50,
-            top_p=0.9,
-            min_p=0.05,
-            repetition_penalty=1.1,
-            frequency_penalty=0.5,
-            logprobs=MAX_LOGPROBS,
-        )
-        self.sampler(logits, [SamplerRow(params, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
-        torch.cuda.synchronize(self.device)
-
-    def compile_kernels(self) -> None:
-        """Compile, before serving, the attention kernels a prompt step can take (the backend's
-        warm-up prompt lengths, with and without cached context): a kernel compiles the first time
-        a step calls it, seconds of stall in the middle of serving otherwise."""
-        start = time.perf_counter()
-        log.info("compiling the %s attention kernels", self.backend.name)
-        for lens in self.backend.warmup_prompt_lens:
-            for cached in (0, 16):
-                self._dummy_forward(list(lens), cached)
-        torch.cuda.synchronize(self.device)
-        log.info("attention kernels compiled in %.1f s", time.perf_counter() - start)
-
-    @torch.inference_mode()
-    def _dummy_forward(self, lens: list[int], cached: int = 0) -> torch.Tensor:
-        """An eager forward over dummy prompts of `lens` new tokens after `cached` tokens of (zero)
-        context each, against a throwaway cache."""
-        blocks_per_seq = -(-(cached + max(lens)) // self.block_size)
-        self.kv_cache.bind(blocks_per_seq * len(lens))
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
-        positions = np.concatenate([np.arange(cached, cached + n) for n in lens])
-        meta = attention_metadata(self.backend, self.block_size, self.device, lens, positions, tables)
-        input_ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, upload(positions, self.device), meta)
-        self.kv_cache.bind(0)
-        return hidden
+        self.sampler(logits, [SamplerRow(PROFILE_PARAMS, i, [0] * 8, [1] * 8) for i in range(num_seqs)])
+        del held
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture the decode graphs and the piecewise prompt-step graphs, when the device and backend
-        allow them and they are not turned off."""
-        if not self._graphs_enabled():
-            log.info("no CUDA graphs: %s", self._why_no_graphs())
+        """Capture the decode graphs and the piecewise prompt-step graphs, and the draft model's decode
+        graphs, when the device and backend allow them and they are not turned off."""
+        if not self.graphs_enabled():
+            log.info("no CUDA graphs: %s", self.why_no_graphs())
             return
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
-        self.graphs = DecodeGraphs(self, max_batch, -(-max_model_len // self.block_size), max_model_len)
+        self.capture_decode_graphs(max_batch, max_model_len)
         max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
         if max_tokens >= 16:
             self.prefill_graphs = PrefillGraphs(self, max_tokens)
+        if self.draft is not None and self.draft.graphs_enabled():
+            self.draft.capture_cuda_graphs(max_batch, max_model_len)
 
     def calibrate_kv_scales_on_next_prompt(self) -> None:
         """--calculate-kv-scales: every attention layer sets its K/V scales from the next prompt step."""

@@ -17,29 +17,32 @@ A sequence with a prefix-cache hit starts at 0 as well: a cached block may hold 
 the draft never saw, so the draft recomputes the prefix, writing into shared blocks the K/V of the very
 tokens they hold (what a stale draft entry could cost is acceptance, never output: the target verifies).
 
-The draft runs eagerly (no CUDA graphs for its decode yet).
+Start-up. The draft is a LoadedModel (engine/runner/loaded_model.py) like the runner: its kernels compile,
+its largest catch-up forward and proposal run in the memory profile that sizes the block pool (with its
+draft distributions held through the model's forward, as in a verify step), and its decode forwards (+ lm_head)
+are captured as CUDA graphs per bucketed batch size (engine/runner/cuda_graphs.py), up to the batch size
+speculation stops at, with the model's and under the same conditions (a CUDA device, a backend that
+supports them, no --enforce-eager). Its catch-up forwards run eagerly.
+
+Proposing. The k draft tokens stay on the device while they are drawn: each decode forward reads the token
+drawn before it there (a graph's `fill`), and the host reads them all once, at the end. A request whose
+sampling reads its output tokens (penalties) is the exception: the processing of draft position i needs
+draft tokens 0..i-1 on the host, so such a round reads each position's tokens as it is drawn.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
 import numpy as np
 import torch
 
-from engine.attention import select_backend
 from engine.config import EngineConfig
-from engine.layers.linear import can_prepack, prepack_linears
-from engine.loader import head_dim_of, load_model, read_hf_config
-from engine.runner.kv_cache import KVCache
+from engine.loader import read_hf_config
+from engine.runner.loaded_model import PROFILE_PARAMS, LoadedModel
 from engine.runner.step_inputs import attention_metadata, upload
-from engine.sampler import Sampler
+from engine.sampler import SamplerRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_decode.rejection import verify_row
-
-log = logging.getLogger("pagoda.spec_decode")
 
 
 def check_draft_vocabulary(draft_dir: str, target_vocab_size: int, target_tokenizer, draft_tokenizer) -> None:
@@ -63,33 +66,36 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class DraftModel:
-    """The draft model, its attention backend, KV cache and sampler."""
+class DraftModel(LoadedModel):
+    """The draft model, its attention backend, KV cache (in the model's dtype, whatever the served model's
+    cache holds), sampler and decode graphs."""
 
     def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: frozenset[int]):
-        self.device = torch.device(config.device)
-        self.block_size = config.block_size
+        # Never the flash-attn-4 prompt path: the draft's prompts are catch-up chunks.
+        super().__init__(config, model_dir, eos_token_ids, what="the draft model", kv_dtype=config.torch_dtype)
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        dtype = config.torch_dtype
-        self.backend = select_backend(
-            config.attention_backend,
-            self.device,
-            dtype,
-            config.block_size,
-            head_dim_of(read_hf_config(model_dir)),
-            0,  # never the flash-attn-4 prompt path: the draft's prompts are catch-up chunks
-            config.max_num_batched_tokens,
-        )
-        start = time.perf_counter()
-        self.model, _ = load_model(model_dir, dtype, self.device, "auto", config.seed, self.backend)
-        log.info("draft model %s loaded in %.1f s", model_dir, time.perf_counter() - start)
-        mc = self.model.config
-        self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
-        self.kv_cache = KVCache(
-            self.model.attention_layers(), config.block_size, mc.num_kv_heads, mc.head_dim, dtype, self.device
-        )
-        if can_prepack(dtype, self.device):
-            prepack_linears(self.model)
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.max_batch = spec.disable_by_batch_size  # no step speculates for more sequences than this
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """The decode graphs, for batches up to `max_batch` (the model's) or the most sequences that speculate."""
+        self.capture_decode_graphs(min(max_batch, self.max_batch), max_model_len)
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """The memory profile's part of the draft: its largest catch-up forward (`num_tokens` dummy tokens of
+        `num_seqs` sequences), then a proposal of k sampled tokens for as many of them as may speculate.
+        Returns the draft distributions, which the caller holds through its forward as a verify step does."""
+        num_rows = min(num_seqs, self.max_batch)
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        hidden = self.dummy_forward(lens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        del hidden
+        rows = [SamplerRow(PROFILE_PARAMS, i, [0] * 8, [1] * 8) for i in range(num_rows)]
+        q = [self.sampler.propose(logits, rows)[1] for _ in range(self.k)]
+        return torch.cat(q)
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], dict[int, torch.Tensor | None]]:
@@ -100,25 +106,49 @@ class DraftModel:
         ks = [len(item.draft) for item in items]
         ends = [len(seq.token_ids) for seq in seqs]  # every token is known: a speculating sequence has none pending
         logits = self.model.compute_logits(self._catch_up(seqs, ends))
+        # Host copies of the draft tokens drawn so far, kept up to date only where the rows need them.
+        on_host = any(seq.request.params.reads_output_tokens for seq in seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
+        drawn: list[tuple[list[int], torch.Tensor]] = []  # per draft position: its sequences, their tokens
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for i in range(max(ks)):
             rows = [verify_row(seqs[j], drafts[j], i) for j in active]  # drafted as the target will check it
             tokens, q = self.sampler.propose(logits, rows)
-            for r, (j, token) in enumerate(zip(active, tokens.tolist())):
-                drafts[j].append(token)
+            drawn.append((active, tokens))
+            if on_host:
+                for j, token in zip(active, tokens.tolist()):
+                    drafts[j].append(token)
+            for r, j in enumerate(active):
                 if not rows[r].params.greedy:
                     probs[j].append(q[r])
-            active = [j for j in active if ks[j] > i + 1]
-            if not active:
+            still = [r for r, j in enumerate(active) if ks[j] > i + 1]
+            if not still:
                 break
+            if len(still) < len(active):
+                tokens = tokens[upload(np.array(still), self.device)]
+            active = [active[r] for r in still]
             # The draft token just drawn, at its position (the sequence's i-th after its last one).
-            token_ids = np.array([drafts[j][-1] for j in active], dtype=np.int64)
             positions = np.array([ends[j] + i for j in active], dtype=np.int64)
-            hidden = self._forward(token_ids, positions, [1] * len(active), [seqs[j].block_table for j in active])
-            logits = self.model.compute_logits(hidden)
+            logits = self._decode(tokens, positions, [seqs[j].block_table for j in active])
+        if not on_host:  # one read of every position's tokens
+            flat = torch.cat([tokens for _, tokens in drawn]).tolist()
+            offset = 0
+            for active, _ in drawn:
+                for j, token in zip(active, flat[offset : offset + len(active)]):
+                    drafts[j].append(token)
+                offset += len(active)
         return drafts, {seq.seq_id: torch.stack(q) if q else None for seq, q in zip(seqs, probs)}
+
+    def _decode(self, tokens: torch.Tensor, positions: np.ndarray, tables: list[list[int]]) -> torch.Tensor:
+        """The logits after one-token forwards of `tokens` (on the device) at `positions`: a graph replay where
+        one was captured for the batch, else eager."""
+        n = len(positions)
+        if self.graphs is not None and self.graphs.fits(n):
+            fill = (torch.arange(n, device=self.device), tokens)
+            return self.graphs.run(np.zeros(n, dtype=np.int64), positions, tables, fill)
+        meta = attention_metadata(self.backend, self.block_size, self.device, [1] * n, positions, tables)
+        return self.model.compute_logits(self.model(tokens, upload(positions, self.device), meta))
 
     def _catch_up(self, seqs: list[Sequence], ends: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens it has not seen, through its last one, in forwards of at
