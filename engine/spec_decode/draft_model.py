@@ -105,7 +105,7 @@ class DraftModel(LoadedModel):
         seqs = [item.seq for item in items]
         ks = [len(item.draft) for item in items]
         ends = [len(seq.token_ids) for seq in seqs]  # every token is known: a speculating sequence has none pending
-        logits = self.model.compute_logits(self._catch_up(seqs, ends))
+        logits = self._catch_up(seqs, ends)
         # Host copies of the draft tokens drawn so far, kept up to date only where the rows need them.
         on_host = any(seq.request.params.reads_output_tokens for seq in seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -152,9 +152,18 @@ class DraftModel(LoadedModel):
 
     def _catch_up(self, seqs: list[Sequence], ends: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens it has not seen, through its last one, in forwards of at
-        most max_num_batched_tokens tokens; the hidden state at each sequence's last token [S, hidden]."""
+        most max_num_batched_tokens tokens; the logits after each sequence's last token [S, vocab]."""
+        starts = [min(seq.num_draft_computed, end - 1) for seq, end in zip(seqs, ends)]
+        if all(end - start == 1 for start, end in zip(starts, ends)) and self.graphs is not None:
+            # One token each, the usual case after a round whose drafts were all accepted: a decode step, so a
+            # graph replay where one fits (an eager decode would also compile kernel variants while serving).
+            n = len(seqs)
+            if self.graphs.fits(n):
+                token_ids = np.concatenate([seq.token_array(end - 1, end) for seq, end in zip(seqs, ends)])
+                positions = np.array(ends, dtype=np.int64) - 1
+                return self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs])
         last: list[torch.Tensor | None] = [None] * len(seqs)
-        pending = [(j, min(seq.num_draft_computed, end - 1), end) for j, (seq, end) in enumerate(zip(seqs, ends))]
+        pending = [(j, start, end) for j, (start, end) in enumerate(zip(starts, ends))]
         while pending:
             budget, chunk, rest = self.max_num_batched_tokens, [], []
             for j, start, end in pending:
@@ -172,7 +181,7 @@ class DraftModel(LoadedModel):
                 if start + n == ends[j]:
                     last[j] = hidden[int(row)]
             pending = rest
-        return torch.stack(last)
+        return self.model.compute_logits(torch.stack(last))
 
     def _forward(
         self, token_ids: np.ndarray, positions: np.ndarray, num_new: list[int], tables: list[list[int]]
