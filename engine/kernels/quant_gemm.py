@@ -5,18 +5,23 @@ The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for ever
 [K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N]. A tile of BLOCK_K rows lies in
 one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
 
-Decode-sized batches (a few rows) read the whole weight for little arithmetic: there the K dimension is
-split over more programs (split-K) that add their partial sums into a float32 output, so enough programs
-stream the weight to fill the GPU; prompt-sized batches use larger M tiles and no split.
+Decode batches of at most GEMV_MAX_M rows (engine/kernels/quant_tiles.py) take a GEMV with no tl.dot: each
+program reads a BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and
+converts them in registers, and accumulates in float32 for every row at once. Where N alone gives too few
+programs to stream the weight at full bandwidth, K is split too, and the last program of a slice to finish adds
+the others' float32 partials (one launch: no memset, no cast). Larger batches use the tl.dot kernel below:
+16-row tiles with split-K into a float32 buffer up to 16 rows, larger M tiles and no split beyond.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, GemvTiles, Tiles
 
 
 @triton.jit
@@ -65,23 +70,6 @@ def _block_k(k: int, group: int) -> int:
     raise ValueError(f"weight-only matmul needs K ({k}) and the group size ({group}) to be multiples of 16")
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """One launch's shape: BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs per loop step, K split over
-    `split` programs; num_warps and num_stages as Triton takes them (stages: loads in flight per program)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def check(self, k: int, group: int) -> None:
-        if group % self.block_k or k % (self.block_k * self.split):
-            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
-
-
 def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
     """The tiles for an [m, k] x [k, n] product."""
     bk = min(_block_k(k, group), 64)
@@ -96,6 +84,95 @@ def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
     return Tiles(16, bn, bk, split)
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KW, sxm, sxk, span, SPLIT,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
+):  # fmt: skip
+    """out[:M] = x[:M] @ W for M <= BLOCK_M rows; program (n, s) covers outputs n*BLOCK_N.. over word rows
+    s*span.. (span a multiple of BLOCK_KW). A step's words are [BLOCK_KW, PER_WORD, BLOCK_N]: the field axis
+    in the middle, so each word is loaded once and its fields unpacked in registers."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_j = tl.arange(0, PER_WORD)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kw_end = tl.minimum((pid_k + 1) * span, KW)
+    for kw0 in range(pid_k * span, kw_end, BLOCK_KW):
+        offs_kw = kw0 + tl.arange(0, BLOCK_KW)
+        mask_kw = offs_kw < kw_end
+        words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
+        q = ((words[:, None, :] >> (offs_j * BITS)[None, :, None]) & ((1 << BITS) - 1)).to(tl.float32)
+        offs_k = offs_kw[:, None] * PER_WORD + offs_j[None, :]  # [BLOCK_KW, PER_WORD]
+        # sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: the scale and zero point
+        # cost per group, not per weight. A group holds whole words (groups are multiples of 32 inputs).
+        if SCALE_PER_STEP:  # the step lies in one group: one row of scales and zeros
+            g = kw0 * PER_WORD // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        else:  # groups shorter than a step: each word row's own
+            g = (offs_kw * PER_WORD // GROUP)[:, None] * N + offs_n[None, :]
+            gmask = mask_kw[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+        for mi in tl.static_range(BLOCK_M):
+            # Rows past M re-read row M - 1 (no masking; their sums are never stored).
+            x_row = x_ptr + tl.minimum(mi, M - 1) * sxm
+            xm = tl.load(x_row + offs_k * sxk, mask=mask_kw[:, None], other=0.0).to(tl.float32)
+            qx = tl.sum(q * xm[:, :, None], axis=1)  # [BLOCK_KW, BLOCK_N]
+            xs = tl.sum(xm, axis=1)  # [BLOCK_KW]
+            if SCALE_PER_STEP:
+                part = s * (tl.sum(qx, axis=0) - z * tl.sum(xs, axis=0))
+            else:
+                part = tl.sum(s * (qx - z * xs[:, None]), axis=0)
+            acc += tl.where(rows[:, None] == mi, part[None, :], 0.0)
+    mask = (rows[:, None] < M) & mask_n[None, :]
+    out = out_ptr + rows[:, None] * N + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Partials to [SPLIT, BLOCK_M, N]; the slice's last program to arrive adds them in split order (the
+        # same sum whichever arrives last) and resets the slice's counter for the next launch. The barrier
+        # orders every thread's partial before the release of the counter's increment; the partials are
+        # read from L2 (.cg), where the other programs' stores landed.
+        part = part_ptr + (pid_k * BLOCK_M + rows[:, None]) * N + offs_n[None, :]
+        tl.store(part, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(0, SPLIT):
+                total += tl.load(part_ptr + (sk * BLOCK_M + rows[:, None]) * N + offs_n[None, :], mask=mask,
+                                 other=0.0, cache_modifier=".cg")  # fmt: skip
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+def gemv_tiles(bits: int, n: int, k: int, num_sms: int) -> GemvTiles:
+    """The GEMV's tiles: GEMV_TABLE's entry for the shape, else 64 outputs by 16 words a step (64 unpacked
+    values per thread of 4 warps) with K split until about three programs per SM stream the weight, each
+    keeping at least four steps."""
+    if (bits, k, n) in GEMV_TABLE:
+        return GEMV_TABLE[(bits, k, n)]
+    bn, bkw = 64, 16
+    kw = k * bits // 32
+    programs, split = triton.cdiv(n, bn), 1
+    while programs * split < 3 * num_sms and kw // (split * 2) >= 4 * bkw:
+        split *= 2
+    return GemvTiles(bn, bkw, split)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def weight_only_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -103,16 +180,21 @@ def weight_only_matmul(
     zeros: torch.Tensor,
     bits: int,
     group_size: int,
-    config: Tiles | None = None,
+    config: Tiles | GemvTiles | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype; `config` overrides the tiles
-    (bench/quant_gpu.py --sweep times candidates)."""
+    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype. `config` overrides the tiles
+    (bench/quant_gpu.py --sweep times candidates): GemvTiles for the GEMV (M <= GEMV_MAX_M unless given),
+    Tiles for the tl.dot kernel. `counters`: zeroed int32, one per GEMV output slice (N / 16 serve every
+    GEMV tile), that a split GEMV leaves zeroed; WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        config = tiles(m, n, k, group_size, num_sms)
+        num_sms = _num_sms(x.device)
+        config = gemv_tiles(bits, n, k, num_sms) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
+    if isinstance(config, GemvTiles):
+        return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters)
     config.check(k, group_size)
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split
     if split == 1:
@@ -130,3 +212,30 @@ def weight_only_matmul(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if split == 1 else out.to(x.dtype)
+
+
+def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[1]
+    kw = qweight.shape[0]
+    block_m = triton.next_power_of_2(m)
+    slices = triton.cdiv(n, config.block_n)
+    span = triton.cdiv(triton.cdiv(kw, config.split), config.block_kw) * config.block_kw
+    split = triton.cdiv(kw, span)  # no program left without rows
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(slices, dtype=torch.int32, device=x.device)
+        assert counters.numel() >= slices and counters.dtype == torch.int32
+    else:  # unread: typed placeholders
+        part = torch.empty(1, dtype=torch.float32, device=x.device)
+        counters = torch.empty(1, dtype=torch.int32, device=x.device)
+    step_k = config.block_kw * 32 // bits
+    _gemv_kernel[(slices, split)](
+        x, qweight, scales, zeros, out, part, counters,
+        m, n, kw, x.stride(0), x.stride(1), span, split,
+        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
+        SCALE_PER_STEP=group_size % step_k == 0, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out

@@ -90,6 +90,10 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", weight.scales.to(dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(dtype).contiguous())  # small integers: exact in bf16
         self.register_buffer("perm", perm)
+        # The split decode GEMV's arrival counters, one per slice of 16 outputs (the narrowest GEMV tile):
+        # zeroed here once, left zeroed by every launch.
+        counters = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=q.device)
+        self.register_buffer("counters", counters, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +102,9 @@ class WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2[:, self.perm]
-        out = weight_only_matmul(x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+        out = weight_only_matmul(
+            x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size, counters=self.counters
+        )
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -119,9 +125,11 @@ def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor
 
 class ScaledLinear(nn.Module):
     """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
-    per token at run time (or with one static scale a checkpoint gives). CUDA multiplies the 8-bit values
-    (torch._scaled_mm for fp8, torch._int_mm for int8); the CPU runs the torch reference, which rounds the
-    same way and multiplies in float32."""
+    per token at run time (or with one static scale a checkpoint gives). CUDA quantizes the activations in one
+    Triton launch (engine/kernels/w8a8.py) and multiplies the 8-bit values: fp8 through torch._scaled_mm,
+    int8 through the Triton int8 GEMM with the scales in its epilogue for decode-sized batches
+    (INT8_TRITON_MAX_M rows), torch._int_mm beyond. The CPU runs the torch reference, which rounds the same
+    way and multiplies in float32."""
 
     def __init__(
         self,
@@ -145,6 +153,7 @@ class ScaledLinear(nn.Module):
             self._matmul = self._int8_cuda if cuda else self._reference
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference of engine/kernels/w8a8.py quantize_rows."""
         if self.input_scale is None:
             return quantize_per_row(x, self.weight.dtype)
         qmax = FP8_MAX if self.weight.dtype == FP8 else 127.0
@@ -158,19 +167,20 @@ class ScaledLinear(nn.Module):
         return out.to(self.dtype)
 
     def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
+        from engine.kernels.w8a8 import quantize_rows
+
+        xq, xs = quantize_rows(x.contiguous(), FP8, self.input_scale)
         # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
-        return torch._scaled_mm(
-            xq, self.weight.t(), scale_a=xs.contiguous(), scale_b=self.weight_scale, out_dtype=self.dtype
-        )
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
 
     def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
-        m = xq.shape[0]
-        if m <= 16:  # _int_mm takes more than 16 rows only
-            xq = torch.nn.functional.pad(xq, (0, 0, 0, 32 - m))
-        acc = torch._int_mm(xq, self.weight.t())[:m]
-        return (acc.float() * xs * self.weight_scale).to(self.dtype)
+        from engine.kernels.quant_tiles import INT8_TRITON_MAX_M
+        from engine.kernels.w8a8 import int8_matmul, quantize_rows
+
+        xq, xs = quantize_rows(x.contiguous(), torch.int8, self.input_scale)
+        if xq.shape[0] <= INT8_TRITON_MAX_M:
+            return int8_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
+        return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x.reshape(-1, self.in_features))

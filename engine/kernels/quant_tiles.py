@@ -1,0 +1,66 @@
+"""The tiles of the quantized-linear kernels (engine/kernels/quant_gemm.py, engine/kernels/w8a8.py): one table.
+
+`python -m bench.quant_gpu --sweep` (gpu_check.sh `quant-kernels`) times candidates per Llama-3-8B layer shape,
+each checked against its reference first, and prints the fastest as entries for the tables below; shapes not
+listed use the rules in the kernel modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One tl.dot launch's shape: BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs per loop step, K split
+    over `split` programs; num_warps and num_stages as Triton takes them (stages: loads in flight per program)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, k: int, group: int) -> None:
+        if group % self.block_k or k % (self.block_k * self.split):
+            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
+    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs."""
+
+    block_n: int
+    block_kw: int
+    split: int
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The activation quantizer: one program per row, `block` inputs per loop step."""
+
+    block: int
+    num_warps: int = 4
+
+
+# W4A16 / W8A16: batches of at most GEMV_MAX_M rows take the GEMV. Its arithmetic per weight is the unpacking
+# and conversion (shared by the rows) plus one FMA per row; an H100 streams ~25 int4 weights per SM cycle from
+# HBM and issues 128 FP32/INT operations per SM cycle, so beyond ~4 rows the GEMV turns compute-bound, where
+# tl.dot's tensor cores (16 rows whatever M is) win. The sweep times both at 1, 4 and 8 rows.
+GEMV_MAX_M = 4
+
+# (bits, K, N) -> the GEMV's tiles; empty until a sweep on the target GPU fills it.
+GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {}
+
+# W8A8 INT8: batches of at most INT8_TRITON_MAX_M rows take the Triton int8 GEMM (scales applied in its
+# epilogue); larger ones torch._int_mm, which takes more than 16 rows only.
+INT8_TRITON_MAX_M = 16
+
+# (K, N) -> the int8 GEMM's tiles (split is 1); empty until a sweep fills it.
+INT8_TABLE: dict[tuple[int, int], Tiles] = {}
+
+# The per-row activation quantizer.
+ROW_TILES = RowTiles(block=2048, num_warps=4)
