@@ -400,10 +400,14 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     args = (x.to(DEV), pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
     h100 = tiles(1, n_full, k, 128, num_sms=132)  # split K but for gate/up (448 programs without)
     assert h100.split == (1 if n_full == 28672 else 2 if n_full == 6144 else 4)
-    gemv = gemv_tiles(4, n_full, k, num_sms=132)
-    for config in (h100, Tiles(16, 256, 128, 8, num_warps=8, num_stages=4), gemv):
+    for config in (h100, Tiles(16, 256, 128, 8, num_warps=8, num_stages=4)):
         out = weight_only_matmul(*args, config=config)
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
+    gemv = gemv_tiles(4, n_full, k, num_sms=132)  # on one slice of outputs: the rest is the same work
+    x, qw, scales, zeros = args[0], args[1][:, : gemv.block_n], args[2][:, : gemv.block_n], args[3][:, : gemv.block_n]
+    out = weight_only_matmul(x, qw.contiguous(), scales.contiguous(), zeros.contiguous(), 4, 128, config=gemv)
+    part = ref[:, : gemv.block_n]
+    assert (out.cpu().float() - part).norm() / part.norm() < 2e-3, gemv
 
 
 def test_split_k_covers_decode_batches():
@@ -424,7 +428,7 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
     from engine.kernels.quant_gemm import weight_only_matmul
     from engine.kernels.quant_tiles import GemvTiles
 
-    n = 40  # a ragged last slice of outputs
+    n = 24  # a ragged last slice of outputs
     g = torch.Generator().manual_seed(bits * k + group)
     w = quantize_rtn(torch.randn(n, k, generator=g), bits, group, symmetric=bits == 8)
     args = (pack_int32(w.q, bits, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), bits, w.group_size)

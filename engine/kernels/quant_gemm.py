@@ -85,72 +85,106 @@ def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
 
 
 @triton.jit
+def _row_products(x_ptr, row, offs_k, mask_kw, q, qx, xs):
+    """One row's share of a field: qx += q * x (per word row and output), xs += x."""
+    x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
+    return qx + q * x[:, None], xs + x
+
+
+@triton.jit
+def _gemv_out(out_ptr, part_ptr, acc, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr):
+    """Row r's sums over the word rows: to the output, or, when K is split, to its partial."""
+    total = tl.sum(acc, axis=0)
+    mask = mask_n & (tl.full(offs_n.shape, r, tl.int32) < M)
+    if SPLIT == 1:
+        tl.store(out_ptr + r * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * BLOCK_M + r) * N + offs_n, total, mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, sxm, sxk, span, SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
 ):  # fmt: skip
-    """out[:M] = x[:M] @ W for M <= BLOCK_M rows; program (n, s) covers outputs n*BLOCK_N.. over word rows
-    s*span.. (span a multiple of BLOCK_KW). A step's words are [BLOCK_KW, PER_WORD, BLOCK_N]: the field axis
-    in the middle, so each word is loaded once and its fields unpacked in registers."""
+    """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows; program (n, s) covers outputs n*BLOCK_N.. over word
+    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once and takes
+    their fields one at a time; every sum stays [BLOCK_KW, BLOCK_N] element-wise in registers until the
+    end, so the loop has no cross-thread reduction. One accumulator per row (acc0..acc3): rows past M
+    re-read row M - 1 (no masking) and are never stored."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_j = tl.arange(0, PER_WORD)
-    rows = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row0, row1, row2, row3 = 0, tl.minimum(1, M - 1) * sxm, tl.minimum(2, M - 1) * sxm, tl.minimum(3, M - 1) * sxm
+    acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     kw_end = tl.minimum((pid_k + 1) * span, KW)
     for kw0 in range(pid_k * span, kw_end, BLOCK_KW):
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
         mask_kw = offs_kw < kw_end
         words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
                         mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
-        q = ((words[:, None, :] >> (offs_j * BITS)[None, :, None]) & ((1 << BITS) - 1)).to(tl.float32)
-        offs_k = offs_kw[:, None] * PER_WORD + offs_j[None, :]  # [BLOCK_KW, PER_WORD]
         # sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: the scale and zero point
-        # cost per group, not per weight. A group holds whole words (groups are multiples of 32 inputs).
+        # cost per word row, not per weight. A group holds whole words (groups are multiples of 32 inputs).
         if SCALE_PER_STEP:  # the step lies in one group: one row of scales and zeros
             g = kw0 * PER_WORD // GROUP
-            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         else:  # groups shorter than a step: each word row's own
             g = (offs_kw * PER_WORD // GROUP)[:, None] * N + offs_n[None, :]
             gmask = mask_kw[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)
-        for mi in tl.static_range(BLOCK_M):
-            # Rows past M re-read row M - 1 (no masking; their sums are never stored).
-            x_row = x_ptr + tl.minimum(mi, M - 1) * sxm
-            xm = tl.load(x_row + offs_k * sxk, mask=mask_kw[:, None], other=0.0).to(tl.float32)
-            qx = tl.sum(q * xm[:, :, None], axis=1)  # [BLOCK_KW, BLOCK_N]
-            xs = tl.sum(xm, axis=1)  # [BLOCK_KW]
-            if SCALE_PER_STEP:
-                part = s * (tl.sum(qx, axis=0) - z * tl.sum(xs, axis=0))
-            else:
-                part = tl.sum(s * (qx - z * xs[:, None]), axis=0)
-            acc += tl.where(rows[:, None] == mi, part[None, :], 0.0)
-    mask = (rows[:, None] < M) & mask_n[None, :]
-    out = out_ptr + rows[:, None] * N + offs_n[None, :]
-    if SPLIT == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Partials to [SPLIT, BLOCK_M, N]; the slice's last program to arrive adds them in split order (the
-        # same sum whichever arrives last) and resets the slice's counter for the next launch. The barrier
+        qx0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx3 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        xs0 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs1 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        for j in tl.static_range(PER_WORD):
+            q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            offs_k = (offs_kw * PER_WORD + j) * sxk
+            qx0, xs0 = _row_products(x_ptr, row0, offs_k, mask_kw, q, qx0, xs0)
+            if BLOCK_M > 1:
+                qx1, xs1 = _row_products(x_ptr, row1, offs_k, mask_kw, q, qx1, xs1)
+            if BLOCK_M > 2:
+                qx2, xs2 = _row_products(x_ptr, row2, offs_k, mask_kw, q, qx2, xs2)
+                qx3, xs3 = _row_products(x_ptr, row3, offs_k, mask_kw, q, qx3, xs3)
+        acc0 += s * (qx0 - z * xs0[:, None])
+        if BLOCK_M > 1:
+            acc1 += s * (qx1 - z * xs1[:, None])
+        if BLOCK_M > 2:
+            acc2 += s * (qx2 - z * xs2[:, None])
+            acc3 += s * (qx3 - z * xs3[:, None])
+    _gemv_out(out_ptr, part_ptr, acc0, 0, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if BLOCK_M > 1:
+        _gemv_out(out_ptr, part_ptr, acc1, 1, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if BLOCK_M > 2:
+        _gemv_out(out_ptr, part_ptr, acc2, 2, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+        _gemv_out(out_ptr, part_ptr, acc3, 3, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if SPLIT > 1:
+        # The slice's last program to arrive adds the partials [SPLIT, BLOCK_M, N] in split order (the same
+        # sum whichever arrives last) and resets the slice's counter for the next launch. The barrier
         # orders every thread's partial before the release of the counter's increment; the partials are
         # read from L2 (.cg), where the other programs' stores landed.
-        part = part_ptr + (pid_k * BLOCK_M + rows[:, None]) * N + offs_n[None, :]
-        tl.store(part, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
+            rows_m = tl.arange(0, BLOCK_M)
+            mask = (rows_m[:, None] < M) & mask_n[None, :]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sk in range(0, SPLIT):
-                total += tl.load(part_ptr + (sk * BLOCK_M + rows[:, None]) * N + offs_n[None, :], mask=mask,
+                total += tl.load(part_ptr + (sk * BLOCK_M + rows_m[:, None]) * N + offs_n[None, :], mask=mask,
                                  other=0.0, cache_modifier=".cg")  # fmt: skip
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -219,6 +253,7 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
     n = qweight.shape[1]
     kw = qweight.shape[0]
     block_m = triton.next_power_of_2(m)
+    assert block_m <= 4, "the GEMV keeps one accumulator per row, four at most"
     slices = triton.cdiv(n, config.block_n)
     span = triton.cdiv(triton.cdiv(kw, config.split), config.block_kw) * config.block_kw
     split = triton.cdiv(kw, span)  # no program left without rows

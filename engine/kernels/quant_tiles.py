@@ -46,10 +46,11 @@ class RowTiles:
     num_warps: int = 4
 
 
-# W4A16 / W8A16: batches of at most GEMV_MAX_M rows take the GEMV. Its arithmetic per weight is the unpacking
-# and conversion (shared by the rows) plus one FMA per row; an H100 streams ~25 int4 weights per SM cycle from
-# HBM and issues 128 FP32/INT operations per SM cycle, so beyond ~4 rows the GEMV turns compute-bound, where
-# tl.dot's tensor cores (16 rows whatever M is) win. The sweep times both at 1, 4 and 8 rows.
+# W4A16 / W8A16: batches of at most GEMV_MAX_M rows (4 at most: one accumulator per row) take the GEMV. Its
+# arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA per row; an H100
+# streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM cycle, so beyond
+# ~4 rows the GEMV turns compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The sweep
+# times both at 2 and 4 rows.
 GEMV_MAX_M = 4
 
 # (bits, K, N) -> the GEMV's tiles; empty until a sweep on the target GPU fills it.
