@@ -104,12 +104,13 @@ def _gemv_out(out_ptr, part_ptr, acc, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLO
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, sxm, sxk, span, SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
+    BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr, HAS_PERM: tl.constexpr,
 ):  # fmt: skip
-    """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows; program (n, s) covers outputs n*BLOCK_N.. over word
+    """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
+    act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
     rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once and takes
     their fields one at a time; every sum stays [BLOCK_KW, BLOCK_N] element-wise in registers until the
     end, so the loop has no cross-thread reduction. One accumulator per row (acc0..acc3): rows past M
@@ -151,7 +152,10 @@ def _gemv_kernel(
         xs3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         for j in tl.static_range(PER_WORD):
             q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            offs_k = (offs_kw * PER_WORD + j) * sxk
+            offs_k = offs_kw * PER_WORD + j
+            if HAS_PERM:
+                offs_k = tl.load(perm_ptr + offs_k, mask=mask_kw, other=0)
+            offs_k = offs_k * sxk
             qx0, xs0 = _row_products(x_ptr, row0, offs_k, mask_kw, q, qx0, xs0)
             if BLOCK_M > 1:
                 qx1, xs1 = _row_products(x_ptr, row1, offs_k, mask_kw, q, qx1, xs1)
@@ -216,11 +220,14 @@ def weight_only_matmul(
     group_size: int,
     config: Tiles | GemvTiles | None = None,
     counters: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype. `config` overrides the tiles
-    (bench/quant_gpu.py --sweep times candidates): GemvTiles for the GEMV (M <= GEMV_MAX_M unless given),
-    Tiles for the tl.dot kernel. `counters`: zeroed int32, one per GEMV output slice (N / 16 serve every
-    GEMV tile), that a split GEMV leaves zeroed; WeightOnlyLinear owns one so a decode step allocates none."""
+    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype, x's columns taken in `perm`'s
+    order when given (an act-order weight's rows sorted by group: the GEMV reads them so, the tl.dot kernel
+    gets them gathered). `config` overrides the tiles (bench/quant_gpu.py --sweep times candidates):
+    GemvTiles for the GEMV (M <= GEMV_MAX_M unless given), Tiles for the tl.dot kernel. `counters`: zeroed
+    int32, one per GEMV output slice (N / 16 serve every GEMV tile), that a split GEMV leaves zeroed;
+    WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
@@ -228,7 +235,9 @@ def weight_only_matmul(
         num_sms = _num_sms(x.device)
         config = gemv_tiles(bits, n, k, num_sms) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
     if isinstance(config, GemvTiles):
-        return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters)
+        return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
+    if perm is not None:
+        x = x[:, perm]
     config.check(k, group_size)
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split
     if split == 1:
@@ -248,7 +257,7 @@ def weight_only_matmul(
     return out if split == 1 else out.to(x.dtype)
 
 
-def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters) -> torch.Tensor:
+def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
     m, k = x.shape
     n = qweight.shape[1]
     kw = qweight.shape[0]
@@ -268,9 +277,9 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
         counters = torch.empty(1, dtype=torch.int32, device=x.device)
     step_k = config.block_kw * 32 // bits
     _gemv_kernel[(slices, split)](
-        x, qweight, scales, zeros, out, part, counters,
+        x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
-        SCALE_PER_STEP=group_size % step_k == 0, num_warps=config.num_warps,
+        SCALE_PER_STEP=group_size % step_k == 0, HAS_PERM=perm is not None, num_warps=config.num_warps,
     )  # fmt: skip
     return out

@@ -73,7 +73,8 @@ class WeightOnlyLinear(nn.Module):
     the input dimension packed, as GPTQ packs it), dequantized in registers by engine/kernels/quant_gemm.py.
 
     Act-order weights (a g_idx that is not k // group_size) are stored with their rows sorted by group,
-    so groups are contiguous for the kernel, and the input's columns are gathered in the same order."""
+    so groups are contiguous for the kernel, and the input's columns are taken in the same order (the
+    decode GEMV reads them through the permutation; larger batches gather them first)."""
 
     def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -100,10 +101,15 @@ class WeightOnlyLinear(nn.Module):
         from engine.kernels.quant_gemm import weight_only_matmul
 
         x2 = x.reshape(-1, self.in_features)
-        if self.perm is not None:
-            x2 = x2[:, self.perm]
         out = weight_only_matmul(
-            x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size, counters=self.counters
+            x2,
+            self.qweight,
+            self.scales,
+            self.zeros,
+            self.bits,
+            self.group_size,
+            counters=self.counters,
+            perm=self.perm,
         )
         if self.bias is not None:
             out += self.bias
