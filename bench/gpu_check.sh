@@ -36,7 +36,7 @@ for step in "$@"; do
     # entries for engine/kernels/quant_tiles.py.
     quant-kernels) start=$SECONDS
            timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py \
-             -k "cuda or kernel or gemv or quantize_rows or int8_matmul" 2>&1 | tee $OUT/pytest-cuda-quant.log | tail -3
+             -k "cuda or kernel or gemv or quantize_rows or scaled_matmul" 2>&1 | tee $OUT/pytest-cuda-quant.log | tail -3
            timeout $((480 - (SECONDS - start))) python3 -m bench.quant_gpu --batch 1 16 64 --sweep \
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} \

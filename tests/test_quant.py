@@ -572,27 +572,43 @@ def test_quantize_rows_fp8_scales_and_values(static):
 
 
 @pytest.mark.parametrize("m", [1, 5, 20])
-def test_int8_matmul_is_the_reference_bit_for_bit(m):
+def test_int8_scaled_matmul_is_the_reference_bit_for_bit(m):
     """int32 accumulation is exact, and the scales apply in the reference's order."""
     pytest.importorskip("triton")
     from engine.kernels.quant_tiles import Tiles
-    from engine.kernels.w8a8 import int8_matmul, quantize_rows
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
 
     g = torch.Generator().manual_seed(m)
     wq, ws = quantize_per_row(torch.randn(40, 200, generator=g), torch.int8)  # K not a multiple of the step
     layer = ScaledLinear(wq, ws.flatten(), None, torch.float32)
     x = torch.randn(m, 200, generator=g)
     xq, xs = quantize_rows(x.to(DEV), torch.int8)
-    out = int8_matmul(xq, xs, layer.weight.to(DEV), layer.weight_scale.to(DEV), torch.float32,
+    out = scaled_matmul(xq, xs, layer.weight.to(DEV), layer.weight_scale.to(DEV), torch.float32,
                       config=Tiles(16, 16, 64, 1))  # fmt: skip
     assert torch.equal(out.cpu(), layer._reference(x))
+
+
+def test_fp8_scaled_matmul_matches_the_reference():
+    """E4M3 products summed in float32 (in another order than the reference's), scales in the epilogue."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import Tiles
+    from engine.kernels.w8a8 import scaled_matmul
+
+    g = torch.Generator().manual_seed(4)
+    wq, ws = quantize_per_row(torch.randn(40, 200, generator=g), FP8)
+    layer = ScaledLinear(wq, ws.flatten(), None, torch.float32)
+    x = torch.randn(3, 200, generator=g)
+    xq, xs = layer._quantize_input(x)
+    out = scaled_matmul(xq.to(DEV), xs.contiguous().to(DEV), layer.weight.to(DEV), layer.weight_scale.to(DEV),
+                        torch.float32, config=Tiles(16, 16, 64, 1))  # fmt: skip
+    torch.testing.assert_close(out.cpu(), layer._reference(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (fp8 and bf16 rounding as the GPU rounds)")
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8])
 @pytest.mark.parametrize("static", [False, True])
 def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
-    from engine.kernels.w8a8 import int8_matmul, quantize_rows
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
 
     k = 14336
     w = torch.randn(512, k, device="cuda")
@@ -607,4 +623,10 @@ def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
         if qdtype == torch.int8:  # against int64 products on the CPU (float32 sums of 14336 are not exact)
             acc = (xq.cpu().long() @ layer.weight.cpu().long().t()).float()
             ref = (acc * xs.cpu() * layer.weight_scale.cpu()).to(torch.bfloat16)
-            assert torch.equal(int8_matmul(xq, xs, layer.weight, layer.weight_scale, torch.bfloat16).cpu(), ref)
+            assert torch.equal(scaled_matmul(xq, xs, layer.weight, layer.weight_scale, torch.bfloat16).cpu(), ref)
+        else:
+            ref = torch._scaled_mm(
+                xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale, out_dtype=torch.float32
+            )
+            got = scaled_matmul(xq, xs, layer.weight, layer.weight_scale, torch.float32)
+            assert (got - ref).norm() / ref.norm() < 1e-5

@@ -56,12 +56,14 @@ GEMV_MAX_M = 4
 # (bits, K, N) -> the GEMV's tiles; empty until a sweep on the target GPU fills it.
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {}
 
-# W8A8 INT8: batches of at most INT8_TRITON_MAX_M rows take the Triton int8 GEMM (scales applied in its
-# epilogue); larger ones torch._int_mm, which takes more than 16 rows only.
+# W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
+# applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
+# FP8 stays on _scaled_mm (0) until a sweep shows the Triton GEMM faster at decode sizes.
 INT8_TRITON_MAX_M = 16
+FP8_TRITON_MAX_M = 0
 
-# (K, N) -> the int8 GEMM's tiles (split is 1); empty until a sweep fills it.
-INT8_TABLE: dict[tuple[int, int], Tiles] = {}
+# ("int8" or "fp8", K, N) -> the 8-bit GEMM's tiles (split is 1); empty until a sweep fills it.
+W8A8_TABLE: dict[tuple[str, int, int], Tiles] = {}
 
 # The per-row activation quantizer.
 ROW_TILES = RowTiles(block=2048, num_warps=4)

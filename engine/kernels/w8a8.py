@@ -1,10 +1,11 @@
-"""W8A8 on CUDA: activations quantized per row in one launch, and an int8 GEMM with the scales in its epilogue.
+"""W8A8 on CUDA: activations quantized per row in one launch, and an 8-bit GEMM with the scales in its epilogue.
 
 quantize_rows rounds exactly as engine/layers/linear.py's torch reference (quantize_per_row and a static
 scale): the scale is amax / qmax in float32 (IEEE division), each value x / scale clamped to +-qmax, then
-rounded to nearest even (int8) or cast to E4M3 (also round to nearest even). int8_matmul multiplies int8
-rows by an int8 [N, K] weight on tensor cores into int32 (exact), then applies the row and channel scales in
-the order the reference does: (acc * row_scale) * channel_scale, rounded once to the output dtype.
+rounded to nearest even (int8) or cast to E4M3 (also round to nearest even). scaled_matmul multiplies 8-bit
+rows by an 8-bit [N, K] weight on tensor cores, int8 into int32 (exact), fp8 into float32, then applies the
+row and channel scales in the order the reference does: (acc * row_scale) * channel_scale, rounded once to
+the output dtype.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quant_tiles import INT8_TABLE, ROW_TILES, RowTiles, Tiles
+from engine.kernels.quant_tiles import ROW_TILES, W8A8_TABLE, RowTiles, Tiles
 
 FP8 = torch.float8_e4m3fn
 
@@ -70,25 +71,25 @@ def quantize_rows(
 
 
 @triton.jit
-def _int8_gemm_kernel(
+def _scaled_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
-    """out = (a @ b.T) * a_scale * b_scale for a [M, K] and b [N, K], both int8 with K contiguous."""
+    """out = (a @ b.T) * a_scale * b_scale for a [M, K] and b [N, K], both int8 or both fp8, K contiguous."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if INT8 else tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0)  # fmt: skip
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
         b = tl.load(b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0)  # fmt: skip
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, b, acc)
     a_scale = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
     b_scale = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
@@ -97,13 +98,13 @@ def _int8_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
-def int8_tiles(n: int, k: int) -> Tiles:
-    """INT8_TABLE's entry for the shape, else 16 rows (the smallest int8 MMA) by 32 outputs: a decode batch
-    gets N / 32 programs (128 for the 8B's N = 4096) streaming 128-input steps, four in flight."""
-    return INT8_TABLE.get((k, n), Tiles(16, 32, 128, 1, num_warps=4, num_stages=4))
+def w8a8_tiles(kind: str, n: int, k: int) -> Tiles:
+    """W8A8_TABLE's entry for ("int8" or "fp8", K, N), else 16 rows (the smallest 8-bit MMA) by 32 outputs: a
+    decode batch gets N / 32 programs (128 for the 8B's N = 4096) streaming 128-input steps, four in flight."""
+    return W8A8_TABLE.get((kind, k, n), Tiles(16, 32, 128, 1, num_warps=4, num_stages=4))
 
 
-def int8_matmul(
+def scaled_matmul(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -111,18 +112,20 @@ def int8_matmul(
     out_dtype: torch.dtype,
     config: Tiles | None = None,
 ) -> torch.Tensor:
-    """(a [M, K] int8 @ b [N, K] int8 .T) * a_scale [M, 1] * b_scale [1, N] -> [M, N] in out_dtype."""
+    """(a [M, K] @ b [N, K].T) * a_scale [M, 1] * b_scale [1, N] -> [M, N] in out_dtype; a and b both int8 or
+    both fp8 E4M3."""
     m, k = a.shape
     n = b.shape[0]
-    config = config or int8_tiles(n, k)
-    assert config.split == 1 and a.is_contiguous() and b.is_contiguous()
+    int8 = a.dtype == torch.int8
+    config = config or w8a8_tiles("int8" if int8 else "fp8", n, k)
+    assert config.split == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-    _int8_gemm_kernel[grid](
+    _scaled_gemm_kernel[grid](
         a, b, a_scale, b_scale, out, m, n, k,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INT8=int8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -132,10 +132,10 @@ def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor
 class ScaledLinear(nn.Module):
     """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
     per token at run time (or with one static scale a checkpoint gives). CUDA quantizes the activations in one
-    Triton launch (engine/kernels/w8a8.py) and multiplies the 8-bit values: fp8 through torch._scaled_mm,
-    int8 through the Triton int8 GEMM with the scales in its epilogue for decode-sized batches
-    (INT8_TRITON_MAX_M rows), torch._int_mm beyond. The CPU runs the torch reference, which rounds the same
-    way and multiplies in float32."""
+    Triton launch (engine/kernels/w8a8.py) and multiplies the 8-bit values: up to INT8_TRITON_MAX_M /
+    FP8_TRITON_MAX_M rows (engine/kernels/quant_tiles.py) through the Triton 8-bit GEMM with the scales in
+    its epilogue, more through torch._int_mm / torch._scaled_mm. The CPU runs the torch reference, which
+    rounds the same way and multiplies in float32."""
 
     def __init__(
         self,
@@ -173,19 +173,22 @@ class ScaledLinear(nn.Module):
         return out.to(self.dtype)
 
     def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.w8a8 import quantize_rows
+        from engine.kernels.quant_tiles import FP8_TRITON_MAX_M
+        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
 
         xq, xs = quantize_rows(x.contiguous(), FP8, self.input_scale)
+        if xq.shape[0] <= FP8_TRITON_MAX_M:
+            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
         # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
         return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
 
     def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.quant_tiles import INT8_TRITON_MAX_M
-        from engine.kernels.w8a8 import int8_matmul, quantize_rows
+        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
 
         xq, xs = quantize_rows(x.contiguous(), torch.int8, self.input_scale)
         if xq.shape[0] <= INT8_TRITON_MAX_M:
-            return int8_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
+            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
         return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
