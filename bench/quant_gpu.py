@@ -89,9 +89,9 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
 def sweep_gemv(out: Path) -> None:
     """W4A16 g128 and W8A16 per-channel decode: per Llama-3-8B layer shape, the GEMV's default tiles and each
     candidate at batch 1 (each checked against the dequantized reference first) beside bf16 F.linear and the
-    tl.dot kernel; then, with the best batch-1 tiles, the GEMV against tl.dot at 2 and 4 rows (whether
-    GEMV_MAX_M should be lower). Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
-    from engine.kernels.quant_gemm import gemv_tiles, tiles, weight_only_matmul
+    tl.dot kernel; then, with the best batch-1 tiles fitted to the rows, the GEMV against tl.dot at 2 and 4
+    rows (whether GEMV_MAX_M should be lower). Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
+    from engine.kernels.quant_gemm import gemv_rows, gemv_tiles, tiles, weight_only_matmul
     from engine.quant import pack_int32
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -134,9 +134,10 @@ def sweep_gemv(out: Path) -> None:
             for m in (2, 4):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(xm, wd).float()
-                got = weight_only_matmul(xm, *args, config=best, counters=counters).float()
+                rows = gemv_rows(best, m)
+                got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-                g_us = _time(partial(weight_only_matmul, xm, *args, config=best, counters=counters))
+                g_us = _time(partial(weight_only_matmul, xm, *args, config=rows, counters=counters))
                 d_us = _time(partial(weight_only_matmul, xm, *args, config=tiles(m, n, k, iw.group_size, sms)))
                 row = {"sweep": f"gemv-vs-dot-w{bits}", "k": k, "n": n, "m": m, "gemv_us": round(g_us, 2),
                        "dot_us": round(d_us, 2)}  # fmt: skip

@@ -417,6 +417,8 @@ def test_split_k_covers_decode_batches():
     assert tiles(256, 4096, 4096, 128, num_sms=132).split == 1
     assert gemv_tiles(4, 4096, 4096, num_sms=132).split > 1  # 64 slices of N alone leave SMs idle
     assert gemv_tiles(4, 28672, 4096, num_sms=132).split == 1
+    one, four = gemv_tiles(4, 4096, 4096, num_sms=132), gemv_tiles(4, 4096, 4096, num_sms=132, m=4)
+    assert four.block_kw == one.block_kw // 2  # four rows' sums in registers: half the words a step
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])

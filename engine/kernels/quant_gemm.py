@@ -15,6 +15,7 @@ the others' float32 partials (one launch: no memset, no cast). Larger batches us
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import torch
@@ -195,18 +196,24 @@ def _gemv_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-def gemv_tiles(bits: int, n: int, k: int, num_sms: int) -> GemvTiles:
-    """The GEMV's tiles: GEMV_TABLE's entry for the shape, else 64 outputs by 16 words a step (64 unpacked
-    values per thread of 4 warps) with K split until about three programs per SM stream the weight, each
-    keeping at least four steps."""
+def gemv_tiles(bits: int, n: int, k: int, num_sms: int, m: int = 1) -> GemvTiles:
+    """The GEMV's tiles for m rows: GEMV_TABLE's entry for the shape, else 64 outputs by 16 words a step (8
+    words per thread of 4 warps) with K split until about three programs per SM stream the weight, each
+    keeping at least four steps; then fitted to the rows (gemv_rows)."""
     if (bits, k, n) in GEMV_TABLE:
-        return GEMV_TABLE[(bits, k, n)]
+        return gemv_rows(GEMV_TABLE[(bits, k, n)], m)
     bn, bkw = 64, 16
     kw = k * bits // 32
     programs, split = triton.cdiv(n, bn), 1
     while programs * split < 3 * num_sms and kw // (split * 2) >= 4 * bkw:
         split *= 2
-    return GemvTiles(bn, bkw, split)
+    return gemv_rows(GemvTiles(bn, bkw, split), m)
+
+
+def gemv_rows(config: GemvTiles, m: int) -> GemvTiles:
+    """Tiles chosen for one row, fitted to m: each row keeps its own [BLOCK_KW, BLOCK_N] sums, so beyond two
+    rows a step takes half the words (8 words per thread a step with 4 rows spill registers on sm_90)."""
+    return config if m <= 2 else replace(config, block_kw=max(4, config.block_kw // 2))
 
 
 @cache
@@ -236,7 +243,7 @@ def weight_only_matmul(
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
         num_sms = _num_sms(x.device)
-        config = gemv_tiles(bits, n, k, num_sms) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
+        config = gemv_tiles(bits, n, k, num_sms, m) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
     if isinstance(config, GemvTiles):
         return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
     if perm is not None:
