@@ -2,15 +2,15 @@
 
 The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for every weight-only scheme
 (GPTQ, AWQ, compressed-tensors, int8 at load): int32 words packing 32 / bits consecutive input rows,
-[K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N]. A tile of BLOCK_K rows lies in
-one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
+[K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N].
 
 Decode batches of at most GEMV_MAX_M rows (engine/kernels/quant_tiles.py) take a GEMV with no tl.dot: each
 program reads a BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and
 converts them in registers, and accumulates in float32 for every row at once. Where N alone gives too few
 programs to stream the weight at full bandwidth, K is split too, and the last program of a slice to finish adds
-the others' float32 partials (one launch: no memset, no cast). Larger batches use the tl.dot kernel below:
-16-row tiles with split-K into a float32 buffer up to 16 rows, larger M tiles and no split beyond.
+the others' float32 partials (one launch: no memset, no cast). Larger batches use the tl.dot kernel: 16-row
+tiles with split-K into a float32 buffer up to 16 rows, larger M tiles and no split beyond; its tile of BLOCK_K
+rows lies in one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
 """
 
 from __future__ import annotations
@@ -268,6 +268,8 @@ def weight_only_matmul(
 
 
 def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
+    """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer (no memset: every
+    element read is written first)."""
     m, k = x.shape
     n = qweight.shape[1]
     kw = qweight.shape[0]
