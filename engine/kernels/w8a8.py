@@ -90,7 +90,8 @@ def _scaled_gemm_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
         b = tl.load(b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
-        acc = tl.dot(a, b, acc)
+        # out_dtype must name the accumulator's type: Triton 3.6 rejects an int32 acc under the float32 default.
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32 if INT8 else tl.float32)
     a_scale = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
     b_scale = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]

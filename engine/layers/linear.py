@@ -123,7 +123,11 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row quantization of [M, K] to fp8 E4M3 or int8: (values, float32 [M, 1] scales)."""
     qmax = FP8_MAX if qdtype == FP8 else 127.0
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    # The divisor is a tensor on x's device: CUDA divides by a Python number as a multiply by its float32
+    # reciprocal (an ulp off the quotient at times), and the scale must be the IEEE quotient that the CPU and
+    # engine/kernels/w8a8.py compute, else values at a rounding tie quantize differently.
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / amax.new_full((), qmax)  # filled on the device: no host copy, no sync
     scaled = x.float() / scale
     q = scaled.clamp(-qmax, qmax).to(FP8) if qdtype == FP8 else scaled.round().clamp(-128, 127).to(torch.int8)
     return q, scale
