@@ -46,15 +46,27 @@ class RowTiles:
     num_warps: int = 4
 
 
-# W4A16 / W8A16: batches of at most GEMV_MAX_M rows (4 at most: one accumulator per row) take the GEMV. Its
-# arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA per row; an H100
-# streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM cycle, so beyond
-# ~4 rows the GEMV turns compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The sweep
-# times both at 2 and 4 rows.
-GEMV_MAX_M = 4
+# W4A16 / W8A16: batches of at most GEMV_MAX_M rows take the GEMV (the kernel keeps one accumulator per row,
+# 4 rows at most). Its arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA
+# per row; an H100 streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM
+# cycle, so a few rows turn it compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The
+# H100 sweep (bench/results/2026-11-25-h100-be6e22a-quant-gemv-sweep.jsonl, the 8B's four decode matmuls):
+# at 2 rows the GEMV wins on all four for W4 and on three for W8 (N 28672: 93.9 us against tl.dot's 91.1)
+# (all four: W4 134 against 215 us, W8 191 against 250); at 4 rows tl.dot's total is lower (W4 216 against 220 us,
+# W8 210 against 224).
+GEMV_MAX_M = 2
 
-# (bits, K, N) -> the GEMV's tiles; empty until a sweep on the target GPU fills it.
-GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {}
+# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m).
+GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
+    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
+    (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+    (8, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
+    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+}
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
 # applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
