@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -37,12 +37,21 @@ for step in "$@"; do
                --out $OUT/spec-draft-ab.jsonl 2>&1 | tail -1 | cut -c1-600
            done ;;
     # Issue 22's H100 speed table, in two calls of under 10 minutes: `quant-kernels` (kernel tests, per-layer
-    # times, the W4A16 batch-1 tile sweep), then `quant-decode quant-w1` (Llama-3-8B decode at batch 1/16/64
+    # times, the tile sweeps), then `quant-decode quant-w1` (Llama-3-8B decode at batch 1/16/64
     # for bf16, W8A16, W4A16 g128 GPTQ layout, FP8, W8A8 with dummy weights, one process per kind; W1 in bf16
     # and with --quantization fp8).
-    quant-kernels) python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "cuda or kernel" 2>&1 \
-             | tee $OUT/pytest-cuda-quant.log | tail -3
-           python3 -m bench.quant_gpu --batch 1 16 64 --sweep --out $OUT/quant-gpu.jsonl 2>&1 | tail -40 ;;
+    # quant-kernels: the CUDA quant kernel tests, per-layer times, then the tile sweeps (decode GEMV first, then
+    # the activation quantizer and the int8 GEMM), all cut at 8 minutes from the step's start (results so far
+    # are printed and in $OUT/quant-gpu.jsonl); quant-sweep the sweeps alone, cut likewise (QUANT_SWEEP="gemv"
+    # or "w8a8": one of them). Compact lines: shape, best tiles, us, GB/s beside the alternatives, and the
+    # entries for engine/kernels/quant_tiles.py.
+    quant-kernels) start=$SECONDS
+           timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py \
+             -k "cuda or kernel or gemv or quantize_rows or scaled_matmul" 2>&1 | tee $OUT/pytest-cuda-quant.log | tail -3
+           timeout $((480 - (SECONDS - start))) python3 -m bench.quant_gpu --batch 1 16 64 --sweep \
+             --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
+    quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} \
+             --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;

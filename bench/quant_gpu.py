@@ -3,10 +3,12 @@ W4A16 g128 and W8A16 (the Triton kernel), FP8 and INT8 W8A8 (ScaledLinear), at d
 batches, each checked against its reference first. One decoder layer's four matmuls are summed, so
 "layer_us" is the linear time of one layer of a decode step.
 
-    python -m bench.quant_gpu [--batch 1 16 64 256] [--sweep]   (CUDA only; results: bench-results naming)
+    python -m bench.quant_gpu [--batch 1 16 64 256] [--sweep [gemv] [w8a8]] [--no-layers]
+    (CUDA only; results: bench-results naming)
 
---sweep also times the W4A16 g128 kernel at batch 1 over a grid of tiles (engine/kernels/quant_gemm.py
-Tiles) per layer shape, each checked first, beside bf16 F.linear: which tiles the decode heuristic should pick.
+--sweep times candidate tiles, each checked against its reference first, and prints the fastest as entries
+for engine/kernels/quant_tiles.py: `gemv` the W4A16 g128 / W8A16 decode GEMV per layer shape at batch 1 (and
+GEMV vs tl.dot at 2 and 4 rows), `w8a8` the activation quantizer and the 8-bit GEMM (int8, fp8).
 """
 
 from __future__ import annotations
@@ -55,64 +57,178 @@ def _weight_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in layer.state_dict().values() if t is not None)
 
 
-def sweep_decode_tiles(out: Path) -> None:
-    """Batch-1 W4A16 g128 kernel time per Llama-3-8B layer shape for each candidate tile, vs bf16 F.linear."""
-    import itertools
+def _emit(out: Path, row: dict, line: str) -> None:
+    """One sweep result: a compact line on stdout (gpu_check.sh quant-kernels shows them), JSON in the file."""
+    row |= {"device": torch.cuda.get_device_name(), "commit": short_commit()}
+    print(line, flush=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 
-    from engine.kernels.quant_gemm import Tiles, tiles, weight_only_matmul
+
+def _time(call, rep: int = 50) -> float:
+    return do_bench(call, warmup=10, rep=rep) * 1000
+
+
+def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
+    """The GEMV tiles the sweep tries: 32..256 outputs by 8..32 words a step, 4 or 8 warps, 2 to 8 words per
+    thread a step (fewer leave the loads too small; 16 spill registers on sm_90); K split 1..8 ways keeping
+    two steps per split and at most 6 programs per SM."""
+    from engine.kernels.quant_tiles import GemvTiles
+
+    kw = k * bits // 32
+    return [
+        GemvTiles(bn, bkw, split, nw)
+        for bn in (32, 64, 128, 256)
+        for bkw in (8, 16, 32)
+        for split in (1, 2, 4, 8)
+        for nw in (4, 8)
+        if kw // split >= 2 * bkw and 2 <= bn * bkw // (32 * nw) <= 8 and -(-n // bn) * split <= 6 * num_sms
+    ]
+
+
+def sweep_gemv(out: Path) -> None:
+    """W4A16 g128 and W8A16 per-channel decode: per Llama-3-8B layer shape, the GEMV's default tiles and each
+    candidate at batch 1 (each checked against the dequantized reference first) beside bf16 F.linear and the
+    tl.dot kernel; then, with the best batch-1 tiles fitted to the rows, the GEMV against tl.dot at 2 and 4
+    rows (whether GEMV_MAX_M should be lower). Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
+    from engine.kernels.quant_gemm import gemv_rows, gemv_tiles, tiles, weight_only_matmul
     from engine.quant import pack_int32
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    totals: dict[str, float] = {}
+    entries = []
+    for bits, group in ((4, 128), (8, -1)):
+        totals = {"bf16": 0.0, "dot": 0.0, "default": 0.0, "best": 0.0}
+        for k, n in SHAPES:
+            w = torch.randn(n, k, device="cuda") * 0.02
+            iw = quantize_rtn(w, bits, group)
+            args = (pack_int32(iw.q, bits, 0), iw.scales.bfloat16(), iw.zeros.bfloat16(), bits, iw.group_size)
+            nbytes = sum(t.numel() * t.element_size() for t in args[:3])
+            counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
+            wd = iw.dequantize().t().to(torch.bfloat16)
+            wb = w.bfloat16()
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, wd).float()
+            default = gemv_tiles(bits, n, k, sms)
+            timed = {}
+            for config in [default, *gemv_candidates(bits, n, k, sms)]:
+                got = weight_only_matmul(x, *args, config=config, counters=counters).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+                assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
+                timed[config] = _time(partial(weight_only_matmul, x, *args, config=config, counters=counters))
+            best = min(timed, key=timed.get)
+            dot = _time(partial(weight_only_matmul, x, *args, config=tiles(1, n, k, iw.group_size, sms)))
+            bf16 = _time(lambda x=x, wb=wb: F.linear(x, wb))
+            for key, us in (("bf16", bf16), ("dot", dot), ("default", timed[default]), ("best", timed[best])):
+                totals[key] += us
+            row = {
+                "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
+                "default": str(default), "default_us": round(timed[default], 2), "best": str(best),
+                "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
+                "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
+            }  # fmt: skip
+            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}"
+            _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:22} {timed[best]:7.1f} us "
+                            f"{nbytes / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
+                            f"tl.dot {dot:7.1f} | bf16 {bf16:7.1f}")  # fmt: skip
+            entries.append(f"    ({bits}, {k}, {n}): {best!r},")
+            for m in (2, 4):
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(xm, wd).float()
+                rows = gemv_rows(best, m)
+                got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
+                assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+                g_us = _time(partial(weight_only_matmul, xm, *args, config=rows, counters=counters))
+                d_us = _time(partial(weight_only_matmul, xm, *args, config=tiles(m, n, k, iw.group_size, sms)))
+                row = {"sweep": f"gemv-vs-dot-w{bits}", "k": k, "n": n, "m": m, "gemv_us": round(g_us, 2),
+                       "dot_us": round(d_us, 2)}  # fmt: skip
+                _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m={m}  gemv {g_us:7.1f} us | tl.dot {d_us:7.1f} us")
+        summary = {"sweep": f"gemv-w{bits} layer total (4 matmuls), batch 1"} | {
+            f"{key}_us": round(v, 2) for key, v in totals.items()
+        }
+        _emit(out, summary, f"gemv w{bits} layer at m=1: bf16 {totals['bf16']:.1f} us, tl.dot {totals['dot']:.1f}, "
+                            f"default {totals['default']:.1f}, best {totals['best']:.1f} "
+                            f"(bf16 / best = {totals['bf16'] / totals['best']:.2f}x)")  # fmt: skip
+    print("GEMV_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
+
+
+def sweep_w8a8(out: Path) -> None:
+    """The activation quantizer (one launch) against the torch ops it replaces, per K and batch over block
+    sizes; the Triton 8-bit GEMM's tiles at 1, 16 and 64 rows per layer shape, int8 against torch._int_mm
+    (padded to 32 rows below 17; bit for bit) and fp8 against torch._scaled_mm (within 1%). Each result is
+    checked first."""
+    from engine.kernels.quant_tiles import RowTiles, Tiles
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
+
+    for k in (4096, 14336):
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref_q, ref_s = quantize_per_row(x, torch.int8)
+            torch_us = _time(partial(quantize_per_row, x, FP8))
+            timed = {}
+            for config in [RowTiles(b, nw) for b in (512, 1024, 2048, 4096) for nw in (2, 4, 8)]:
+                q, s = quantize_rows(x, torch.int8, config=config)
+                assert torch.equal(q, ref_q) and torch.equal(s, ref_s), config
+                timed[config] = _time(partial(quantize_rows, x, FP8, config=config))
+            best = min(timed, key=timed.get)
+            row = {"sweep": "act-quant", "k": k, "m": m, "torch_us": round(torch_us, 2), "best": str(best),
+                   "best_us": round(timed[best], 2)}  # fmt: skip
+            _emit(out, row, f"act-quant K={k:5} m={m:3}  best block {best.block} w{best.num_warps} "
+                            f"{timed[best]:6.1f} us | torch ops {torch_us:6.1f} us")  # fmt: skip
+    entries = []
     for k, n in SHAPES:
         w = torch.randn(n, k, device="cuda") * 0.02
-        iw = quantize_rtn(w, 4, 128)
-        args = (pack_int32(iw.q, 4, 0), iw.scales.bfloat16(), iw.zeros.bfloat16(), 4, 128)
-        nbytes = sum(t.numel() * t.element_size() for t in args[:3])
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        wb = w.bfloat16()
-        ref = F.linear(x, iw.dequantize().t().to(torch.bfloat16)).float()
-        timed = {"bf16": do_bench(lambda x=x, wb=wb: F.linear(x, wb), warmup=20, rep=100) * 1000}
-        default = tiles(1, n, k, 128, sms)
-        grid = itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8), ((4, 3), (4, 5), (8, 4)))
-        candidates = {"default": default} | {
-            f"bn{bn}-bk{bk}-s{split}-w{nw}-st{ns}": Tiles(16, bn, bk, split, nw, ns)
-            for bn, bk, split, (nw, ns) in grid
-            if k % (bk * split) == 0
-        }
-        for name, config in candidates.items():
-            got = weight_only_matmul(x, *args, config=config).float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, f"{name} at K={k} N={n}: relative error {err}"
-            call = partial(weight_only_matmul, x, *args, config=config)
-            timed[name] = do_bench(call, warmup=20, rep=100) * 1000
-        best = min((v, name) for name, v in timed.items() if name != "bf16")
-        for key, name in (("bf16", "bf16"), ("default", "default"), ("best", best[1])):
-            totals[key] = totals.get(key, 0.0) + timed[name]
-        row = {
-            "sweep": "w4a16-g128-batch1", "k": k, "n": n, "bf16_us": round(timed["bf16"], 2),
-            "default": str(default), "default_us": round(timed["default"], 2), "best": best[1],
-            "best_us": round(best[0], 2), "best_weight_gbps": round(nbytes / best[0] / 1e3, 1),
-            "default_weight_gbps": round(nbytes / timed["default"] / 1e3, 1),
-            "bf16_weight_gbps": round(n * k * 2 / timed["bf16"] / 1e3, 1),
-            "top5": sorted((round(v, 2), name) for name, v in timed.items() if name != "bf16")[:5],
-            "device": torch.cuda.get_device_name(), "commit": short_commit(),
-        }  # fmt: skip
-        print(json.dumps(row), flush=True)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-    summary = {"sweep": "layer total (4 matmuls), batch 1", **{f"{k}_us": round(v, 2) for k, v in totals.items()}}
-    summary["bf16_over_default"] = round(totals["bf16"] / totals["default"], 2)
-    summary["bf16_over_best"] = round(totals["bf16"] / totals["best"], 2)
-    print(json.dumps(summary), flush=True)
-    with out.open("a") as f:
-        f.write(json.dumps(summary) + "\n")
+        for kind, qdtype in (("int8", torch.int8), ("fp8", FP8)):
+            wq, ws = quantize_per_row(w, qdtype)
+            ws = ws.reshape(1, -1).contiguous()
+            for m in (1, 16, 64):
+                xq, xs = quantize_per_row(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
+                if kind == "int8":  # int32 sums are exact: the Triton GEMM must equal _int_mm's bit for bit
+                    pad = torch.nn.functional.pad(xq, (0, 0, 0, max(0, 32 - m)))
+                    torch_call = partial(torch._int_mm, pad, wq.t())  # without the scaling that follows it
+                    exact = (torch_call()[:m].float() * xs * ws).to(torch.bfloat16)
+                else:
+                    torch_call = partial(torch._scaled_mm, xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+                    exact = torch_call().float()
+                default = w8a8_tiles(kind, n, k)
+                timed = {}
+                grid = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (128, 256) for nw, ns in ((4, 3), (4, 5))]
+                for config in [default, *(Tiles(16 if m < 64 else 64, *t[:2], 1, *t[2:]) for t in grid)]:
+                    got = scaled_matmul(xq, xs, wq, ws, torch.bfloat16, config)
+                    if kind == "int8":
+                        assert torch.equal(got, exact), config
+                    else:
+                        assert ((got.float() - exact).norm() / exact.norm()).item() < 1e-2, config
+                    timed[config] = _time(partial(scaled_matmul, xq, xs, wq, ws, torch.bfloat16, config))
+                best = min(timed, key=timed.get)
+                torch_us = _time(torch_call)
+                row = {"sweep": f"{kind}-gemm", "k": k, "n": n, "m": m, "best": str(best),
+                       "best_us": round(timed[best], 2), "default_us": round(timed[default], 2),
+                       "torch_us": round(torch_us, 2)}  # fmt: skip
+                t = f"bm{best.block_m} bn{best.block_n} bk{best.block_k} w{best.num_warps} st{best.num_stages}"
+                torch_name = "_int_mm (no scales)" if kind == "int8" else "_scaled_mm"
+                _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:24} {timed[best]:7.1f} us "
+                                f"{n * k / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
+                                f"{torch_name} {torch_us:7.1f}")  # fmt: skip
+                if m == 1:
+                    entries.append(f"    ({kind!r}, {k}, {n}): {best!r},")
+    print(
+        "W8A8_TABLE entries (engine/kernels/quant_tiles.py; set INT8_TRITON_MAX_M / FP8_TRITON_MAX_M from "
+        "the m=1/16/64 rows):\n" + "\n".join(entries),
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--sweep", action="store_true", help="also time the W4A16 kernel's batch-1 tiles")
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        choices=["gemv", "w8a8"],
+        default=None,
+        help="also time candidate tiles of the decode GEMV and / or the W8A8 kernels (both if none named)",
+    )
+    parser.add_argument("--no-layers", action="store_true", help="skip the per-layer table (sweep only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -120,7 +236,7 @@ def main() -> None:
     bf16_bytes = sum(w.numel() * 2 for w in weights)
     out = Path(args.out or results_path("quant-gpu", "cuda"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    for kind in ("bf16", "w4a16-g128", "w8a16", "fp8", "int8-w8a8"):
+    for kind in () if args.no_layers else ("bf16", "w4a16-g128", "w8a16", "fp8", "int8-w8a8"):
         layers, refs = _layers(kind, weights)
         nbytes = sum(_weight_bytes(layer) for layer in layers) or bf16_bytes
         for m in args.batch:
@@ -147,11 +263,13 @@ def main() -> None:
                 "commit": short_commit(),
                 "date": datetime.date.today().isoformat(),
             }
-            print(json.dumps(row), flush=True)
+            print(f"layer {kind:10} batch {m:3}  {us:8.1f} us  {row['weight_gbps']:6.0f} GB/s of weight "
+                  f"({row['weight_mib']} MiB)", flush=True)  # fmt: skip
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-    if args.sweep:
-        sweep_decode_tiles(out)
+    if args.sweep is not None:
+        for name in args.sweep or ["gemv", "w8a8"]:
+            {"gemv": sweep_gemv, "w8a8": sweep_w8a8}[name](out)
     print(f"device tag {device_tag('cuda')}: {out}")
 
 

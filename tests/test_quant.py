@@ -364,7 +364,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 64, 256), (8, -1, 256), (4, -1, 256), (4, 128, 192)])
-@pytest.mark.parametrize("m", [1, 3, 37])  # split-K decode tiles, and prompt tiles with a ragged edge
+@pytest.mark.parametrize("m", [1, 3, 8, 37])  # the GEMV, split-K tl.dot tiles, prompt tiles with a ragged edge
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m, dtype):
     """Including a short last group: 192 inputs in groups of 128 (SmolLM2's 576 are 4.5 groups of 128)."""
@@ -386,11 +386,11 @@ def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m,
 
 @pytest.mark.parametrize("k, n_full", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
 def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
-    """Batch-1 decode, W4 g128, at Llama-3-8B's real K with the tiles an H100 (132 SMs) picks for the layer's
-    full N, and with the largest tiles bench/quant_gpu.py --sweep tries; N is cut to 256 outputs (the
+    """Batch-1 decode, W4 g128, at Llama-3-8B's real K with the tl.dot tiles an H100 (132 SMs) picks for the
+    layer's full N, large split tl.dot tiles, and the GEMV's tiles for the shape; N is cut to 256 outputs (the
     interpreter is slow), which changes no program's work."""
     pytest.importorskip("triton")
-    from engine.kernels.quant_gemm import Tiles, tiles, weight_only_matmul
+    from engine.kernels.quant_gemm import Tiles, gemv_tiles, tiles, weight_only_matmul
 
     n = 256
     g = torch.Generator().manual_seed(k + n_full)
@@ -403,13 +403,61 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     for config in (h100, Tiles(16, 256, 128, 8, num_warps=8, num_stages=4)):
         out = weight_only_matmul(*args, config=config)
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
+    gemv = gemv_tiles(4, n_full, k, num_sms=132)  # on one slice of outputs: the rest is the same work
+    x, qw, scales, zeros = args[0], args[1][:, : gemv.block_n], args[2][:, : gemv.block_n], args[3][:, : gemv.block_n]
+    out = weight_only_matmul(x, qw.contiguous(), scales.contiguous(), zeros.contiguous(), 4, 128, config=gemv)
+    part = ref[:, : gemv.block_n]
+    assert (out.cpu().float() - part).norm() / part.norm() < 2e-3, gemv
 
 
 def test_split_k_covers_decode_batches():
-    from engine.kernels.quant_gemm import tiles
+    from engine.kernels.quant_gemm import gemv_tiles, tiles
 
-    assert tiles(1, 4096, 4096, 128, num_sms=132).split > 1  # a GEMV splits K to fill the GPU
+    assert tiles(8, 4096, 4096, 128, num_sms=132).split > 1  # a decode batch splits K to fill the GPU
     assert tiles(256, 4096, 4096, 128, num_sms=132).split == 1
+    assert gemv_tiles(4, 4096, 4096, num_sms=132).split > 1  # 64 slices of N alone leave SMs idle
+    assert gemv_tiles(4, 28672, 4096, num_sms=132).split == 1
+    one, four = gemv_tiles(4, 4096, 4096, num_sms=132), gemv_tiles(4, 4096, 4096, num_sms=132, m=4)
+    assert four.block_kw == one.block_kw // 2  # four rows' sums in registers: half the words a step
+
+
+@pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
+def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k):
+    """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
+    partials and leaves the counters zeroed for the next launch; steps of one group and of several (the
+    default tiles are in test_weight_only_kernel_matches_the_dequantized_reference)."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+    from engine.kernels.quant_tiles import GemvTiles
+
+    n = 24  # a ragged last slice of outputs
+    g = torch.Generator().manual_seed(bits * k + group)
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, group, symmetric=bits == 8)
+    args = (pack_int32(w.q, bits, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), bits, w.group_size)
+    counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=DEV)
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=g).half()
+        ref = x.float() @ w.dequantize().half().float()
+        for config in (GemvTiles(32, 4, 4), GemvTiles(16, 8, 2, num_warps=2)):
+            out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
+            assert out.dtype == torch.float16 and out.shape == (m, n)
+            torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2)
+            assert not counters.any()
+
+
+def test_decode_gemv_is_exact_in_float32():
+    """float32 in, float32 out: the GEMV's per-group factoring s * (sum q x - z sum x) stays within float32
+    rounding of the dequantized product."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    k, n = 256, 48
+    g = torch.Generator().manual_seed(11)
+    w = quantize_rtn(torch.randn(n, k, generator=g), 4, 64, symmetric=False)
+    x = torch.randn(2, k, generator=g)
+    out = weight_only_matmul(x.to(DEV), pack_int32(w.q, 4, 0).to(DEV), w.scales.float().to(DEV),
+                             w.zeros.float().to(DEV), 4, 64)  # fmt: skip
+    torch.testing.assert_close(out.cpu(), x @ w.dequantize(), atol=1e-4, rtol=1e-5)
 
 
 def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():
@@ -427,13 +475,14 @@ def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():
     bias = torch.randn(128, generator=g)
     layer = WeightOnlyLinear(fused, bias, torch.float32).to(DEV)
     assert layer.perm is not None
-    x = torch.randn(2, 5, k, generator=g)
-    ref = x @ torch.cat([s.dequantize() for s in shards], 1) + bias
-    torch.testing.assert_close(layer(x.to(DEV)).cpu(), ref, atol=1e-4, rtol=1e-4)
+    for shape in ((2, 5, k), (1, k)):  # the tl.dot kernel, and the decode GEMV
+        x = torch.randn(*shape, generator=g)
+        ref = x @ torch.cat([s.dequantize() for s in shards], 1) + bias
+        torch.testing.assert_close(layer(x.to(DEV)).cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Llama-3-8B-sized bf16 shapes)")
-@pytest.mark.parametrize("m", [1, 16, 64, 512])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 512])
 def test_weight_only_kernel_full_shapes_bf16_on_cuda(m):
     from engine.kernels.quant_gemm import weight_only_matmul
 
@@ -454,3 +503,131 @@ def test_scaled_linear_cuda_matches_its_reference(qdtype, m):
     layer = ScaledLinear(q, scale.flatten(), None, torch.bfloat16)
     x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x).float(), layer._reference(x).float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the GEMV at Llama-3-8B depth)")
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
+    """GEMV tiles of the sweep's grid at the 8B's deepest layer (down: K 14336, N 4096), one counter array
+    shared by all launches as a layer shares it between decode steps."""
+    from bench.quant_gpu import gemv_candidates
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    k, n = 14336, 4096
+    w = quantize_rtn(torch.randn(n, k, device="cuda"), bits, group)
+    args = (pack_int32(w.q, bits, 0), w.scales.bfloat16(), w.zeros.bfloat16(), bits, w.group_size)
+    counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = (x @ w.dequantize().to(torch.bfloat16)).float()
+        for config in [None, *gemv_candidates(bits, n, k)[::5]]:  # the sweep checks all it times
+            out = weight_only_matmul(x, *args, config=config, counters=counters).float()
+            assert (out - ref).norm() / ref.norm() < 1e-2, config
+            assert not counters.any(), config
+
+
+# ----- W8A8 kernels (engine/kernels/w8a8.py) -----
+
+
+def _fp8_exact_rows(g: torch.Generator) -> torch.Tensor:
+    """Rows of E4M3 values whose absolute maximum is 448 (a per-row scale of exactly 1): Triton's interpreter
+    rounds float32 to fp8 half-up without carrying into the exponent, so off the GPU only values that need no
+    rounding compare bit for bit (the CUDA test rounds random ones)."""
+    x = (torch.randn(4, 300, generator=g) * 60).to(FP8).float()
+    x[:, 5] = 448.0
+    x[2, 5] = -448.0
+    return x
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_int8_is_the_reference_bit_for_bit(static):
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import RowTiles
+    from engine.kernels.w8a8 import quantize_rows
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 300, generator=g) * 3
+    x[1] = 0  # an all-zero row: the scale's floor
+    x[2, 7] = 1000.0  # an outlier: everything else rounds to a few steps
+    x[3, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.5, -127.5]) * x[3].abs().max() / 127.5
+    layer = ScaledLinear(torch.zeros(8, 300, dtype=torch.int8), torch.ones(8), None, torch.float32,
+                         input_scale=torch.tensor(0.03) if static else None)  # fmt: skip
+    ref_q, ref_s = layer._quantize_input(x)
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype == torch.bfloat16:
+            ref_q, ref_s = layer._quantize_input(x.bfloat16())
+        q, s = quantize_rows(x.to(dtype).to(DEV), torch.int8, layer.input_scale, config=RowTiles(128))  # 3 steps
+        assert torch.equal(q.cpu(), ref_q) and torch.equal(s.cpu(), ref_s)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_fp8_scales_and_values(static):
+    pytest.importorskip("triton")
+    from engine.kernels.w8a8 import quantize_rows
+
+    x = _fp8_exact_rows(torch.Generator().manual_seed(3))
+    scale = torch.tensor([[0.5]]) if static else None  # a power of two: x / scale needs no rounding
+    q, s = quantize_rows(x.to(DEV), FP8, None if scale is None else scale.to(DEV))
+    ref_q, ref_s = quantize_per_row(x, FP8) if scale is None else ((x / 0.5).clamp(-448, 448).to(FP8), None)
+    assert torch.equal(q.cpu().float(), ref_q.float())
+    assert torch.equal(s.cpu(), ref_s if scale is None else scale.expand(4, 1))
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_int8_scaled_matmul_is_the_reference_bit_for_bit(m):
+    """int32 accumulation is exact, and the scales apply in the reference's order."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import Tiles
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+    g = torch.Generator().manual_seed(m)
+    wq, ws = quantize_per_row(torch.randn(40, 200, generator=g), torch.int8)  # K not a multiple of the step
+    layer = ScaledLinear(wq, ws.flatten(), None, torch.float32)
+    x = torch.randn(m, 200, generator=g)
+    xq, xs = quantize_rows(x.to(DEV), torch.int8)
+    out = scaled_matmul(xq, xs, layer.weight.to(DEV), layer.weight_scale.to(DEV), torch.float32,
+                      config=Tiles(16, 16, 64, 1))  # fmt: skip
+    assert torch.equal(out.cpu(), layer._reference(x))
+
+
+def test_fp8_scaled_matmul_matches_the_reference():
+    """E4M3 products summed in float32 (in another order than the reference's), scales in the epilogue."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import Tiles
+    from engine.kernels.w8a8 import scaled_matmul
+
+    g = torch.Generator().manual_seed(4)
+    wq, ws = quantize_per_row(torch.randn(40, 200, generator=g), FP8)
+    layer = ScaledLinear(wq, ws.flatten(), None, torch.float32)
+    x = torch.randn(3, 200, generator=g)
+    xq, xs = layer._quantize_input(x)
+    out = scaled_matmul(xq.to(DEV), xs.contiguous().to(DEV), layer.weight.to(DEV), layer.weight_scale.to(DEV),
+                        torch.float32, config=Tiles(16, 16, 64, 1))  # fmt: skip
+    torch.testing.assert_close(out.cpu(), layer._reference(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (fp8 and bf16 rounding as the GPU rounds)")
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+@pytest.mark.parametrize("static", [False, True])
+def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+    k = 14336
+    w = torch.randn(512, k, device="cuda")
+    q, scale = quantize_per_row(w, qdtype)
+    layer = ScaledLinear(q, scale.flatten(), None, torch.bfloat16,
+                         input_scale=torch.tensor(0.02, device="cuda") if static else None)  # fmt: skip
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2
+        xq, xs = quantize_rows(x, qdtype, layer.input_scale)
+        ref_q, ref_s = layer._quantize_input(x)
+        assert torch.equal(xq.view(torch.int8), ref_q.view(torch.int8)) and torch.equal(xs, ref_s)
+        if qdtype == torch.int8:  # against int64 products on the CPU (float32 sums of 14336 are not exact)
+            acc = (xq.cpu().long() @ layer.weight.cpu().long().t()).float()
+            ref = (acc * xs.cpu() * layer.weight_scale.cpu()).to(torch.bfloat16)
+            assert torch.equal(scaled_matmul(xq, xs, layer.weight, layer.weight_scale, torch.bfloat16).cpu(), ref)
+        else:  # float32 sums in another order than _scaled_mm's (whose row-wise scaling gives bf16 only)
+            w, ws = layer.weight, layer.weight_scale
+            ref = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).float()
+            got = scaled_matmul(xq, xs, w, ws, torch.bfloat16).float()
+            assert (got - ref).norm() / ref.norm() < 1e-2

@@ -2,21 +2,27 @@
 
 The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for every weight-only scheme
 (GPTQ, AWQ, compressed-tensors, int8 at load): int32 words packing 32 / bits consecutive input rows,
-[K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N]. A tile of BLOCK_K rows lies in
-one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
+[K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N].
 
-Decode-sized batches (a few rows) read the whole weight for little arithmetic: there the K dimension is
-split over more programs (split-K) that add their partial sums into a float32 output, so enough programs
-stream the weight to fill the GPU; prompt-sized batches use larger M tiles and no split.
+Decode batches of at most GEMV_MAX_M rows (engine/kernels/quant_tiles.py) take a GEMV with no tl.dot: each
+program reads a BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and
+converts them in registers, and accumulates in float32 for every row at once. Where N alone gives too few
+programs to stream the weight at full bandwidth, K is split too, and the last program of a slice to finish adds
+the others' float32 partials (one launch: no memset, no cast). Larger batches use the tl.dot kernel: 16-row
+tiles with split-K into a float32 buffer up to 16 rows, larger M tiles and no split beyond; its tile of BLOCK_K
+rows lies in one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, GemvTiles, Tiles
 
 
 @triton.jit
@@ -65,23 +71,6 @@ def _block_k(k: int, group: int) -> int:
     raise ValueError(f"weight-only matmul needs K ({k}) and the group size ({group}) to be multiples of 16")
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """One launch's shape: BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs per loop step, K split over
-    `split` programs; num_warps and num_stages as Triton takes them (stages: loads in flight per program)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def check(self, k: int, group: int) -> None:
-        if group % self.block_k or k % (self.block_k * self.split):
-            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
-
-
 def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
     """The tiles for an [m, k] x [k, n] product."""
     bk = min(_block_k(k, group), 64)
@@ -96,6 +85,142 @@ def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
     return Tiles(16, bn, bk, split)
 
 
+@triton.jit
+def _row_products(x_ptr, row, offs_k, mask_kw, q, qx, xs):
+    """One row's share of a field: qx += q * x (per word row and output), xs += x."""
+    x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
+    return qx + q * x[:, None], xs + x
+
+
+@triton.jit
+def _gemv_out(out_ptr, part_ptr, acc, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr):
+    """Row r's sums over the word rows: to the output, or, when K is split, to its partial."""
+    total = tl.sum(acc, axis=0)
+    mask = mask_n & (tl.full(offs_n.shape, r, tl.int32) < M)
+    if SPLIT == 1:
+        tl.store(out_ptr + r * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * BLOCK_M + r) * N + offs_n, total, mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KW, sxm, sxk, span, SPLIT,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr, HAS_PERM: tl.constexpr,
+):  # fmt: skip
+    """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
+    act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
+    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once and takes
+    their fields one at a time; every sum stays [BLOCK_KW, BLOCK_N] element-wise in registers until the
+    end, so the loop has no cross-thread reduction. One accumulator per row (acc0..acc3): rows past M
+    re-read row M - 1 (no masking) and are never stored."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    row0, row1, row2, row3 = 0, tl.minimum(1, M - 1) * sxm, tl.minimum(2, M - 1) * sxm, tl.minimum(3, M - 1) * sxm
+    acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    kw_end = tl.minimum((pid_k + 1) * span, KW)
+    for kw0 in range(pid_k * span, kw_end, BLOCK_KW):
+        offs_kw = kw0 + tl.arange(0, BLOCK_KW)
+        mask_kw = offs_kw < kw_end
+        words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
+        # sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: the scale and zero point
+        # cost per word row, not per weight. A group holds whole words (groups are multiples of 32 inputs).
+        if SCALE_PER_STEP:  # the step lies in one group: one row of scales and zeros
+            g = kw0 * PER_WORD // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        else:  # groups shorter than a step: each word row's own
+            g = (offs_kw * PER_WORD // GROUP)[:, None] * N + offs_n[None, :]
+            gmask = mask_kw[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+        qx0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        qx3 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        xs0 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs1 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        xs3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        for j in tl.static_range(PER_WORD):
+            # The field as a float without an int-to-float conversion (a quarter-rate instruction that would
+            # bound the GEMV below the bandwidth of 4-bit weights): its bits ORed into the mantissa of 2**23,
+            # less 2**23, both exact.
+            q = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            offs_k = offs_kw * PER_WORD + j
+            if HAS_PERM:
+                offs_k = tl.load(perm_ptr + offs_k, mask=mask_kw, other=0)
+            offs_k = offs_k * sxk
+            qx0, xs0 = _row_products(x_ptr, row0, offs_k, mask_kw, q, qx0, xs0)
+            if BLOCK_M > 1:
+                qx1, xs1 = _row_products(x_ptr, row1, offs_k, mask_kw, q, qx1, xs1)
+            if BLOCK_M > 2:
+                qx2, xs2 = _row_products(x_ptr, row2, offs_k, mask_kw, q, qx2, xs2)
+                qx3, xs3 = _row_products(x_ptr, row3, offs_k, mask_kw, q, qx3, xs3)
+        acc0 += s * (qx0 - z * xs0[:, None])
+        if BLOCK_M > 1:
+            acc1 += s * (qx1 - z * xs1[:, None])
+        if BLOCK_M > 2:
+            acc2 += s * (qx2 - z * xs2[:, None])
+            acc3 += s * (qx3 - z * xs3[:, None])
+    _gemv_out(out_ptr, part_ptr, acc0, 0, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if BLOCK_M > 1:
+        _gemv_out(out_ptr, part_ptr, acc1, 1, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if BLOCK_M > 2:
+        _gemv_out(out_ptr, part_ptr, acc2, 2, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+        _gemv_out(out_ptr, part_ptr, acc3, 3, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+    if SPLIT > 1:
+        # The slice's last program to arrive adds the partials [SPLIT, BLOCK_M, N] in split order (the same
+        # sum whichever arrives last) and resets the slice's counter for the next launch. The barrier
+        # orders every thread's partial before the release of the counter's increment; the partials are
+        # read from L2 (.cg), where the other programs' stores landed.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            rows_m = tl.arange(0, BLOCK_M)
+            mask = (rows_m[:, None] < M) & mask_n[None, :]
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(0, SPLIT):
+                total += tl.load(part_ptr + (sk * BLOCK_M + rows_m[:, None]) * N + offs_n[None, :], mask=mask,
+                                 other=0.0, cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+def gemv_tiles(bits: int, n: int, k: int, num_sms: int, m: int = 1) -> GemvTiles:
+    """The GEMV's tiles for m rows: GEMV_TABLE's entry for the shape, else 64 outputs by 16 words a step (8
+    words per thread of 4 warps) with K split until about three programs per SM stream the weight, each
+    keeping at least four steps; then fitted to the rows (gemv_rows)."""
+    if (bits, k, n) in GEMV_TABLE:
+        return gemv_rows(GEMV_TABLE[(bits, k, n)], m)
+    bn, bkw = 64, 16
+    kw = k * bits // 32
+    programs, split = triton.cdiv(n, bn), 1
+    while programs * split < 3 * num_sms and kw // (split * 2) >= 4 * bkw:
+        split *= 2
+    return gemv_rows(GemvTiles(bn, bkw, split), m)
+
+
+def gemv_rows(config: GemvTiles, m: int) -> GemvTiles:
+    """Tiles chosen for one row, fitted to m: each row keeps its own [BLOCK_KW, BLOCK_N] sums, so beyond two
+    rows a step takes half the words (8 words per thread a step with 4 rows spill registers on sm_90)."""
+    return config if m <= 2 else replace(config, block_kw=max(4, config.block_kw // 2))
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def weight_only_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -103,16 +228,26 @@ def weight_only_matmul(
     zeros: torch.Tensor,
     bits: int,
     group_size: int,
-    config: Tiles | None = None,
+    config: Tiles | GemvTiles | None = None,
+    counters: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype; `config` overrides the tiles
-    (bench/quant_gpu.py --sweep times candidates)."""
+    """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype, x's columns taken in `perm`'s
+    order when given (an act-order weight's rows sorted by group: the GEMV reads them so, the tl.dot kernel
+    gets them gathered). `config` overrides the tiles (bench/quant_gpu.py --sweep times candidates):
+    GemvTiles for the GEMV (M <= GEMV_MAX_M unless given), Tiles for the tl.dot kernel. `counters`: zeroed
+    int32, one per GEMV output slice (N / 16 serve every GEMV tile), that a split GEMV leaves zeroed;
+    WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        config = tiles(m, n, k, group_size, num_sms)
+        num_sms = _num_sms(x.device)
+        config = gemv_tiles(bits, n, k, num_sms, m) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
+    if isinstance(config, GemvTiles):
+        return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
+    if perm is not None:
+        x = x[:, perm]
     config.check(k, group_size)
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split
     if split == 1:
@@ -130,3 +265,33 @@ def weight_only_matmul(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if split == 1 else out.to(x.dtype)
+
+
+def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
+    """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer (no memset: every
+    element read is written first)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    kw = qweight.shape[0]
+    block_m = triton.next_power_of_2(m)
+    assert block_m <= 4, "the GEMV keeps one accumulator per row, four at most"
+    slices = triton.cdiv(n, config.block_n)
+    span = triton.cdiv(triton.cdiv(kw, config.split), config.block_kw) * config.block_kw
+    split = triton.cdiv(kw, span)  # no program left without rows
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(slices, dtype=torch.int32, device=x.device)
+        assert counters.numel() >= slices and counters.dtype == torch.int32
+    else:  # unread: typed placeholders
+        part = torch.empty(1, dtype=torch.float32, device=x.device)
+        counters = torch.empty(1, dtype=torch.int32, device=x.device)
+    step_k = config.block_kw * 32 // bits
+    _gemv_kernel[(slices, split)](
+        x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
+        m, n, kw, x.stride(0), x.stride(1), span, split,
+        BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
+        SCALE_PER_STEP=group_size % step_k == 0, HAS_PERM=perm is not None, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out

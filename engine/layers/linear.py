@@ -73,7 +73,8 @@ class WeightOnlyLinear(nn.Module):
     the input dimension packed, as GPTQ packs it), dequantized in registers by engine/kernels/quant_gemm.py.
 
     Act-order weights (a g_idx that is not k // group_size) are stored with their rows sorted by group,
-    so groups are contiguous for the kernel, and the input's columns are gathered in the same order."""
+    so groups are contiguous for the kernel, and the input's columns are taken in the same order (the
+    decode GEMV reads them through the permutation; larger batches gather them first)."""
 
     def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -90,15 +91,26 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", weight.scales.to(dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(dtype).contiguous())  # small integers: exact in bf16
         self.register_buffer("perm", perm)
+        # The split decode GEMV's arrival counters, one per slice of 16 outputs (the narrowest GEMV tile):
+        # zeroed here once, left zeroed by every launch.
+        counters = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=q.device)
+        self.register_buffer("counters", counters, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.quant_gemm import weight_only_matmul
 
         x2 = x.reshape(-1, self.in_features)
-        if self.perm is not None:
-            x2 = x2[:, self.perm]
-        out = weight_only_matmul(x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+        out = weight_only_matmul(
+            x2,
+            self.qweight,
+            self.scales,
+            self.zeros,
+            self.bits,
+            self.group_size,
+            counters=self.counters,
+            perm=self.perm,
+        )
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -111,7 +123,11 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row quantization of [M, K] to fp8 E4M3 or int8: (values, float32 [M, 1] scales)."""
     qmax = FP8_MAX if qdtype == FP8 else 127.0
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    # The divisor is a tensor on x's device: CUDA divides by a Python number as a multiply by its float32
+    # reciprocal (an ulp off the quotient at times), and the scale must be the IEEE quotient that the CPU and
+    # engine/kernels/w8a8.py compute, else values at a rounding tie quantize differently.
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / amax.new_full((), qmax)  # filled on the device: no host copy, no sync
     scaled = x.float() / scale
     q = scaled.clamp(-qmax, qmax).to(FP8) if qdtype == FP8 else scaled.round().clamp(-128, 127).to(torch.int8)
     return q, scale
@@ -119,9 +135,11 @@ def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor
 
 class ScaledLinear(nn.Module):
     """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
-    per token at run time (or with one static scale a checkpoint gives). CUDA multiplies the 8-bit values
-    (torch._scaled_mm for fp8, torch._int_mm for int8); the CPU runs the torch reference, which rounds the
-    same way and multiplies in float32."""
+    per token at run time (or with one static scale a checkpoint gives). CUDA quantizes the activations in one
+    Triton launch (engine/kernels/w8a8.py) and multiplies the 8-bit values: up to INT8_TRITON_MAX_M /
+    FP8_TRITON_MAX_M rows (engine/kernels/quant_tiles.py) through the Triton 8-bit GEMM with the scales in
+    its epilogue, more through torch._int_mm / torch._scaled_mm. The CPU runs the torch reference, which
+    rounds the same way and multiplies in float32."""
 
     def __init__(
         self,
@@ -145,6 +163,7 @@ class ScaledLinear(nn.Module):
             self._matmul = self._int8_cuda if cuda else self._reference
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference of engine/kernels/w8a8.py quantize_rows."""
         if self.input_scale is None:
             return quantize_per_row(x, self.weight.dtype)
         qmax = FP8_MAX if self.weight.dtype == FP8 else 127.0
@@ -158,19 +177,23 @@ class ScaledLinear(nn.Module):
         return out.to(self.dtype)
 
     def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
+        from engine.kernels.quant_tiles import FP8_TRITON_MAX_M
+        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+        xq, xs = quantize_rows(x.contiguous(), FP8, self.input_scale)
+        if xq.shape[0] <= FP8_TRITON_MAX_M:
+            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
         # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
-        return torch._scaled_mm(
-            xq, self.weight.t(), scale_a=xs.contiguous(), scale_b=self.weight_scale, out_dtype=self.dtype
-        )
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
 
     def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
-        m = xq.shape[0]
-        if m <= 16:  # _int_mm takes more than 16 rows only
-            xq = torch.nn.functional.pad(xq, (0, 0, 0, 32 - m))
-        acc = torch._int_mm(xq, self.weight.t())[:m]
-        return (acc.float() * xs * self.weight_scale).to(self.dtype)
+        from engine.kernels.quant_tiles import INT8_TRITON_MAX_M
+        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+        xq, xs = quantize_rows(x.contiguous(), torch.int8, self.input_scale)
+        if xq.shape[0] <= INT8_TRITON_MAX_M:
+            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
+        return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x.reshape(-1, self.in_features))

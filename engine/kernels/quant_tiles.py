@@ -1,0 +1,81 @@
+"""The tiles of the quantized-linear kernels (engine/kernels/quant_gemm.py, engine/kernels/w8a8.py): one table.
+
+`python -m bench.quant_gpu --sweep` (gpu_check.sh `quant-kernels`) times candidates per Llama-3-8B layer shape,
+each checked against its reference first, and prints the fastest as entries for the tables below; shapes not
+listed use the rules in the kernel modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One tl.dot launch's shape: BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs per loop step, K split
+    over `split` programs; num_warps and num_stages as Triton takes them (stages: loads in flight per program)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, k: int, group: int) -> None:
+        if group % self.block_k or k % (self.block_k * self.split):
+            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
+    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs."""
+
+    block_n: int
+    block_kw: int
+    split: int
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The activation quantizer: one program per row, `block` inputs per loop step."""
+
+    block: int
+    num_warps: int = 4
+
+
+# W4A16 / W8A16: batches of at most GEMV_MAX_M rows take the GEMV (the kernel keeps one accumulator per row,
+# 4 rows at most). Its arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA
+# per row; an H100 streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM
+# cycle, so a few rows turn it compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The
+# H100 sweep (bench/results/2026-11-25-h100-be6e22a-quant-gemv-sweep.jsonl, the 8B's four decode matmuls):
+# at 2 rows the GEMV wins on all four for W4 and on three for W8 (N 28672: 93.9 us against tl.dot's 91.1)
+# (all four: W4 134 against 215 us, W8 191 against 250); at 4 rows tl.dot's total is lower (W4 216 against 220 us,
+# W8 210 against 224).
+GEMV_MAX_M = 2
+
+# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m).
+GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
+    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
+    (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+    (8, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
+    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+}
+
+# W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
+# applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
+# FP8 stays on _scaled_mm (0) until a sweep shows the Triton GEMM faster at decode sizes.
+INT8_TRITON_MAX_M = 16
+FP8_TRITON_MAX_M = 0
+
+# ("int8" or "fp8", K, N) -> the 8-bit GEMM's tiles (split is 1); empty until a sweep fills it.
+W8A8_TABLE: dict[tuple[str, int, int], Tiles] = {}
+
+# The per-row activation quantizer.
+ROW_TILES = RowTiles(block=2048, num_warps=4)
