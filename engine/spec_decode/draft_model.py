@@ -22,7 +22,8 @@ its largest catch-up forward and proposal run in the memory profile that sizes t
 draft distributions held through the model's forward, as in a verify step), and its decode forwards (+ lm_head)
 are captured as CUDA graphs per bucketed batch size (engine/runner/cuda_graphs.py), up to the batch size
 speculation stops at, with the model's and under the same conditions (a CUDA device, a backend that
-supports them, no --enforce-eager). Its catch-up forwards run eagerly.
+supports them, no --enforce-eager). A catch-up of one token a sequence replays them too; longer catch-ups
+run eagerly.
 
 Proposing. The k draft tokens stay on the device while they are drawn: each decode forward reads the token
 drawn before it there (a graph's `fill`), and the host reads them all once, at the end. A request whose
