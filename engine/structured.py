@@ -136,7 +136,10 @@ def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:
         xgr.apply_token_bitmask_inplace(logits, compact, vocab_size=logits.shape[-1])
         return
     bitmask = torch.empty((logits.shape[0], compact.shape[1]), dtype=compact.dtype, device=logits.device)
-    bitmask[torch.tensor(mask.rows, device=logits.device)] = compact
+    # non_blocking from a pageable array: staged at once, not after the forward still running (a plain
+    # torch.tensor(..., device=cuda) would hold the host until the device reached the copy).
+    rows = torch.from_numpy(np.asarray(mask.rows, dtype=np.int64)).to(logits.device, non_blocking=True)
+    bitmask[rows] = compact
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=mask.rows)
 
 
