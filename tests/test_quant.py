@@ -573,6 +573,28 @@ def test_quantize_rows_fp8_scales_and_values(static):
     assert torch.equal(s.cpu(), ref_s if scale is None else scale.expand(4, 1))
 
 
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_nan_in_a_row_makes_its_scale_and_output_nan(qdtype, static):
+    """A NaN activation must reach the logits (where the engine fails that request alone), not be clamped to
+    -qmax into a finite row: its row's scale is NaN, the other rows are untouched."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import Tiles
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 200, generator=g)
+    x[1, 17] = float("nan")
+    static_scale = torch.tensor([[0.05]], device=DEV) if static else None
+    q, s = quantize_rows(x.to(DEV), qdtype, static_scale)
+    clean_q, clean_s = quantize_rows(x[[0, 2]].to(DEV), qdtype, static_scale)
+    assert torch.isnan(s[1]).all() and torch.isfinite(s[[0, 2]]).all()
+    assert torch.equal(s[[0, 2]], clean_s) and torch.equal(q[[0, 2]].view(torch.int8), clean_q.view(torch.int8))
+    wq, ws = quantize_per_row(torch.randn(40, 200, generator=g), qdtype)
+    out = scaled_matmul(q, s, wq.to(DEV), ws.flatten().to(DEV), torch.float32, config=Tiles(16, 16, 64, 1))
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
 @pytest.mark.parametrize("m", [1, 5, 20])
 def test_int8_scaled_matmul_is_the_reference_bit_for_bit(m):
     """int32 accumulation is exact, and the scales apply in the reference's order."""

@@ -388,8 +388,11 @@ class PrefillTiles:
 # stages: best or within 3% of a 24-config sweep on an H100 (bf16, D 64 and 128, G 2..4), about 60% of
 # cuDNN's dense causal attention there. The folded scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k,
 # 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (the decode kernel's reasoning:
-# DECODE_TILES); each query tile widens every K/V tile it reads again, so more rows per program (block_m
-# 128) halve that work; `bash bench/gpu_check.sh decode-tiles` times those candidates.
+# DECODE_TILES). `bash bench/gpu_check.sh decode-tiles` times other tilings over fp8 on the H100
+# (bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl): block_m 128 is no faster for 16 x 512-token
+# prompts (195.7-243 us against 196.1) and slower for 64 one-token rows (89.8-114.5 against 55.5 us);
+# block_n 128 is 13% faster for those rows (48.8 us) and 4% slower for the prompts (204 us), so the
+# 64 x 64 tiles stay.
 PREFILL_TILES = {"16bit": PrefillTiles(), "fp8": PrefillTiles(widen="asm")}
 
 

@@ -181,9 +181,10 @@ class DecodeTiles:
 # a 64-key fp8 tile moves half the bytes of a bf16 one for the same per-tile work (block-table gather,
 # two MMAs, softmax), and widening through cvt (1.5 conversion instructions per element at 16 per
 # clock per SM) costs about what streaming the bytes does: 128 keys, so a tile moves as many bytes as
-# the 16-bit one, widened by the asm bit moves. Chosen without a GPU run: `bash bench/gpu_check.sh
-# decode-tiles` times the candidates (bench/gpu_check.py DECODE_TILE_CANDIDATES) and is what to edit
-# this table after.
+# the 16-bit one, widened by the asm bit moves. `bash bench/gpu_check.sh decode-tiles` times the
+# candidates (bench/gpu_check.py DECODE_TILE_CANDIDATES); on the H100 these were the fastest at batch 64
+# x 8k keys, 64 x 512 and a W2-like batch (bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl: fp8
+# 432 / 33.6 / 180 us against 594 / 43.0 / 212 with cast at 128 keys, bf16 711 / 50.4 / 261).
 DECODE_TILES = {
     "16bit": DecodeTiles(block_n=64),
     "fp8": DecodeTiles(block_n=128, widen="asm"),

@@ -279,6 +279,8 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
     span = triton.cdiv(triton.cdiv(kw, config.split), config.block_kw) * config.block_kw
     split = triton.cdiv(kw, span)  # no program left without rows
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:  # nothing to launch (block_m would be 0); only explicit tiles get here with no rows
+        return out
     if split > 1:
         part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
         if counters is None:

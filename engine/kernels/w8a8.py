@@ -35,9 +35,14 @@ def _quantize_rows_kernel(
             v = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+    # NaNs seen in the row: tl.maximum / tl.minimum return the non-NaN operand (maxnum), so a NaN would
+    # otherwise become -QMAX and the row a finite, wrong result. The row's scale is made NaN instead, and
+    # with it the row's output, which the engine's non-finite-logits check then fails on its own.
+    nans = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        nans = tl.where(v != v, v, nans)
         v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -QMAX), QMAX)
         if INT8:
             # Adding and taking away 1.5 * 2**23 leaves |v| < 2**22 rounded to an integer, to nearest even
@@ -46,7 +51,7 @@ def _quantize_rows_kernel(
         else:
             q = v.to(tl.float8e4nv)
         tl.store(q_ptr + row * K + k0 + offs, q, mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(scale_ptr + row, scale + tl.sum(nans, axis=0))  # + 0.0, or NaN
 
 
 def quantize_rows(
