@@ -78,6 +78,8 @@ class DraftModel(LoadedModel):
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
         self.max_batch = spec.disable_by_batch_size  # no step speculates for more sequences than this
+        # Row indices 0..n-1 for a graph replay's device-side tokens, made once (not a launch per draft step).
+        self._rows = torch.arange(self.max_batch, device=self.device)
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """The decode graphs, for batches up to `max_batch` (the model's) or the most sequences that speculate."""
@@ -146,7 +148,7 @@ class DraftModel(LoadedModel):
         one was captured for the batch, else eager."""
         n = len(positions)
         if self.graphs is not None and self.graphs.fits(n):
-            fill = (torch.arange(n, device=self.device), tokens)
+            fill = (self._rows[:n], tokens)
             return self.graphs.run(np.zeros(n, dtype=np.int64), positions, tables, fill)
         meta = attention_metadata(self.backend, self.block_size, self.device, [1] * n, positions, tables)
         return self.model.compute_logits(self.model(tokens, upload(positions, self.device), meta))
