@@ -22,7 +22,7 @@ from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from engine.spec_decode import Speculator, expand_rows
-from engine.spec_decode.draft_model import check_draft_vocabulary, num_parameters
+from engine.spec_decode.draft_model import check_draft_vocabulary
 from engine.spec_decode.speculator import COST_RATIO
 from engine.stop_strings import StopMatcher
 from engine.structured import Grammars, StepMask
@@ -140,9 +140,10 @@ class LLMEngine:
         if config.speculative_config is not None:
             cost_ratio = COST_RATIO
             if self.runner.draft is not None:
-                # Each draft token costs a draft forward too: about the draft's share of the weights read per
-                # step (a decode step at small batches is bound by reading the weights).
-                cost_ratio += num_parameters(self.runner.draft.model) / num_parameters(self.runner.model)
+                # Each draft token costs a draft forward too: about the draft's share of the weight bytes read
+                # per step (a decode step at small batches is bound by reading the weights). Bytes, not
+                # parameter counts: quantized and prepacked weights are buffers, not parameters.
+                cost_ratio += self.runner.draft.weight_bytes / self.runner.weight_bytes
             self.speculator = Speculator(config.speculative_config, self.max_model_len, cost_ratio)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

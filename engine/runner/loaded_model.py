@@ -79,8 +79,8 @@ class LoadedModel:
         )
         # The state dict holds quantized layers' buffers beside the parameters (and a tied head twice).
         weights = {t.data_ptr(): t for t in self.model.state_dict().values() if t is not None}
-        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        log.info("weights loaded in %.1f s (%.2f GiB%s)", time.perf_counter() - start, weight_bytes / 2**30, role)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        log.info("weights loaded in %.1f s (%.2f GiB%s)", time.perf_counter() - start, self.weight_bytes / 2**30, role)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)

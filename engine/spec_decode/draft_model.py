@@ -63,10 +63,6 @@ def check_draft_vocabulary(draft_dir: str, target_vocab_size: int, target_tokeni
             )
 
 
-def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 class DraftModel(LoadedModel):
     """The draft model, its attention backend, KV cache (in the model's dtype, whatever the served model's
     cache holds), sampler and decode graphs."""
