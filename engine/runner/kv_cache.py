@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import Attention
@@ -79,8 +80,10 @@ class KVCache:
         """Copy-on-write: duplicate whole blocks (all layers) before a shared one is written."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        # Non-blocking from a host array: torch.tensor(list, device=cuda) would hold the host until the
+        # device reached the copy (every step with a copy-on-write, once per cache with a draft model).
+        pairs = torch.from_numpy(np.asarray(copies, dtype=np.int64)).to(self.device, non_blocking=True)
+        src, dst = pairs[:, 0], pairs[:, 1]
         for k_cache, v_cache in self.caches:
             k_cache, v_cache = raw(k_cache), raw(v_cache)
             k_cache[dst] = k_cache[src]
