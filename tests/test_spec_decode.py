@@ -330,10 +330,14 @@ def test_no_block_leaks_after_many_random_rejections(tiny_model_dir):
     assert all(len(o[0]) == 80 + i for i, o in enumerate(outs))
     assert stats.num_drafts > 300 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert llm.engine.scheduler.num_preemptions["recompute"] > 0
+    assert_no_leaks_and_nothing_unverified_named(llm, prompts, outs)
+
+
+def assert_no_leaks_and_nothing_unverified_named(llm, prompts, outs) -> None:
+    """Every block is free and held by nobody, and every name in the prefix cache is that of a block of some
+    sequence's final tokens (a block holding a rejected draft token would have a name of tokens no output has)."""
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
-    # Nothing unverified was named: every name in the prefix cache is that of a block of some sequence's
-    # final tokens (a block holding a rejected draft token would have a name of tokens no output has).
     names = set()
     for prompt, out in zip(prompts, outs):
         tokens, name = np.asarray(prompt + out[0], dtype=np.int64), b""

@@ -23,6 +23,7 @@ from tests.test_spec_decode import (
     REPEAT,
     SAMPLES,
     STAT_PARAMS,
+    assert_no_leaks_and_nothing_unverified_named,
     chi_square_p,
     filtered_next_token_probs,
     penalized_params,
@@ -149,8 +150,7 @@ def test_no_block_leaks_after_many_random_rejections(tiny_model_dir, drafts):
     assert all(len(o[0]) == 60 + i for i, o in enumerate(outs))
     assert stats.num_drafts > 150 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert llm.engine.scheduler.num_preemptions["recompute"] > 0
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert_no_leaks_and_nothing_unverified_named(llm, prompts, outs)
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_dir, drafts):
