@@ -2,9 +2,9 @@
 
 Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v, which over
 an fp8 cache the store has rounded to the cache's values), the rest (chunks after cached context,
-decodes beside prompts) to `paged_prefill` through the block tables; decode batches to the split-KV
-`paged_decode`. On a Hopper GPU with flash-attn-4 installed, `TritonFa4Backend` (flash_attn.py) sends
-prompt steps with a long query run there instead.
+decodes beside prompts) to `paged_prefill` through the block tables; decode batches, and the verify graphs'
+steps (k + 1 query rows a sequence), to the split-KV `paged_decode`. On a Hopper GPU with flash-attn-4
+installed, `TritonFa4Backend` (flash_attn.py) sends prompt steps with a long query run there instead.
 """
 
 from __future__ import annotations
