@@ -96,7 +96,7 @@ for step in "$@"; do
     # graphs / eager / no speculation (n-gram, draft model, the default model), nothing compiled or captured
     # after start-up, the draft model's no-compile test (verify replays counted), the other speculation tests.
     verify-graphs) { python3 -m pytest -q -p no:cacheprovider tests/test_verify_graphs.py \
-               tests/test_kernels_attention.py -k "verify or several_queries or test_decode" 2>&1
+               tests/test_kernels_attention.py tests/test_fp8_kv.py -k "verify or several_queries or test_decode" 2>&1
              python3 -m pytest -q -p no:cacheprovider tests/test_spec_decode.py tests/test_spec_draft.py -k cuda 2>&1
            } | tee $OUT/pytest-cuda-verify-graphs.log | grep -E "passed|failed|FAILED|Error" ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from engine.kernels.attention import paged_prefill
 from engine.kernels.decode import MAX_DECODE_SPLITS, decode_num_splits, paged_decode
 from engine.kernels.prefill_fresh import fresh_prefill_fits, prefill_fresh
-from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
+from tests.attention_reference import assert_close, make_batch, poisoned_like, reference, verify_case
 from tests.conftest import NEEDS_FA4, fa4_on_hopper
 
 CUDA = torch.cuda.is_available()
@@ -181,32 +181,6 @@ def test_decode_most_splits():
     assert_close(run_decode(batch, MAX_DECODE_SPLITS), reference(**batch), torch.float32)
 
 
-def verify_case(ctx, q_lens, queries, heads, kv_heads, head_dim, block_size, dtype, num_splits, seed=11):
-    """paged_decode with `queries` rows a sequence (a verify step's layout: the first q_lens[s] real, the rest
-    padding) -> (its real rows, the reference's, the whole output)."""
-    batch = make_batch(ctx, [queries] * len(ctx), heads, kv_heads, head_dim, block_size, dtype, seed=seed)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int32, device=DEVICE)
-    seq_lens = torch.tensor([c + n for c, n in zip(ctx, q_lens)], dtype=torch.int32, device=DEVICE)
-    real = torch.cat([torch.arange(s * queries, s * queries + n) for s, n in enumerate(q_lens)]).to(DEVICE)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    out = paged_decode(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        batch["block_tables"],
-        seq_lens,
-        batch["scale"],
-        out=poisoned_like(batch["q"]),
-        num_splits=num_splits,
-        queries=queries,
-        query_lens=q_lens_t,
-    )
-    ref = reference(
-        batch["q"][real], batch["k_cache"], batch["v_cache"], batch["block_tables"], starts, seq_lens, batch["scale"]
-    )
-    return out[real], ref, out
-
-
 # Verify steps, k = 4: full drafts, shorter ones (adaptive k; 1 = a row without a draft), a context of 61 + 5
 # whose split boundary at key 64 falls between its queries (queries 61..63 see no key of the last split), and
 # contexts shorter than a tile.
@@ -220,7 +194,8 @@ VERIFY_Q = [5, 5, 2, 1, 3]
     [(torch.float32, 8, 2, 64, 16), (torch.float16, 4, 1, 128, 8), (torch.float32, 4, 4, 64, 32)],
 )
 def test_decode_several_queries_a_sequence_is_causal(num_splits, dtype, heads, kv_heads, head_dim, block_size):
-    got, ref, out = verify_case(VERIFY_CTX, VERIFY_Q, 5, heads, kv_heads, head_dim, block_size, dtype, num_splits)
+    batch = make_batch(VERIFY_CTX, [5] * len(VERIFY_CTX), heads, kv_heads, head_dim, block_size, dtype, seed=11)
+    got, ref, out = verify_case(batch, VERIFY_Q, num_splits)
     assert_close(got, ref, dtype)
     assert out.isfinite().all()  # the padding rows too: nothing downstream may see a NaN
 
