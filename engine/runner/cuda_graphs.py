@@ -75,8 +75,10 @@ class DecodeGraphs:
     beside speculating ones) leaves its last rows as padding: at its last token's position (so that the
     sequence's last row gives its length, which the graph computes), stored nowhere (slot -1), attending
     every key of the sequence, its logits never read. One graph per batch size serves every draft length,
-    instead of one per (batch size, length): k times fewer captures and graphs, for at most k padded rows a
-    sequence in a step whose weight reads cost the same with or without them.
+    instead of one per (batch size, length): k times fewer captures, and less memory, since every graph keeps
+    its own logits (Llama-3-8B, k = 4, batches 1..16: 155 rows of 128,256 bf16 logits, 38 MiB, against 2.8
+    times that for graphs of 2..5 rows a sequence), for at most k padded rows a sequence in a step whose
+    weight reads cost the same with or without them.
     """
 
     def __init__(
