@@ -145,7 +145,7 @@ def test_cuda_verify_graphs_equal_eager_and_no_speculation(method, arch, tiny_mo
         got, stats, verify_steps = run_counting(llm, prompts, params)
         monkeypatch.undo()
         assert got == want, (method, eager)
-        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert stats.num_accepted_tokens > 0
         if not eager:
             assert verify.queries == 4 and verify.sizes[-1] == 4
             # After the first step (every prompt whole) no prompt chunk comes beside the drafts: every verify
