@@ -245,8 +245,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir, drafts):
     """As tests/test_spec_decode.py's test of that name, with a draft model: 6 sequences under a limit of 4
     start without drafts, their steps overlapped, and speculate synchronously once fewer are left; on the GPU,
-    verify steps and the draft's forwards (eager catch-up, decode graphs with the triton backend) come between
-    the model's decode-graph steps."""
+    verify steps (verify graphs with the triton backend) and the draft's forwards (eager catch-up, decode graphs
+    with the triton backend) come between the model's decode-graph steps."""
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
