@@ -80,7 +80,8 @@ def _decode_kernel(
     row_ok = rows < QUERIES * GROUP
     if QUERIES == 1:
         head = kvh * GROUP + rows
-        token = tl.zeros([BLOCK_G], dtype=tl.int64) + seq
+        token = seq.to(tl.int64)  # the row of q and out (a scalar: every program row's)
+        part_row = seq * tl.num_programs(1) * GROUP
         q_pos = rows  # unread: no causal mask
         m_init = float("-inf")
     else:
@@ -89,7 +90,9 @@ def _decode_kernel(
         # positions run past the last key, so they see every key (finite output that nobody reads).
         query = rows // GROUP
         head = kvh * GROUP + rows % GROUP
-        token = seq.to(tl.int64) * QUERIES + query
+        query_row = seq.to(tl.int64) * QUERIES + query  # its row of q and out
+        token = query_row[:, None]
+        part_row = query_row * (tl.num_programs(1) * GROUP)
         q_pos = seq_len - tl.load(query_lens_ptr + seq) + query
         # A split can begin past a query's position (a split boundary inside the last Q keys): that row
         # sees no key of the split, and a finite initial maximum keeps its exponentials at exp2(-inf) = 0
@@ -97,7 +100,7 @@ def _decode_kernel(
         m_init = -1.0e30
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_offs = token[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q_offs = token * stride_qs + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -142,11 +145,11 @@ def _decode_kernel(
         acc = acc * v_scale  # a split's partial is a weighted mean of V rows: scaling each scales the merge
     store_ok = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        o_offs = token[:, None] * stride_os + head[:, None] * stride_oh + d[None, :]
+        o_offs = token * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=store_ok)
     else:
         # Scratch is [S * Q, H, NUM_SPLITS, HEAD_DIM] and [S * Q, H, NUM_SPLITS]; lse is in log2 units.
-        part = (token * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
+        part = (part_row + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=store_ok)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
