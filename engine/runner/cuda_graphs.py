@@ -221,6 +221,7 @@ class DecodeGraphs:
         self.graphs[batch].replay()
         if rows is None:
             return self.logits[batch][:n]
+        # A gather, so a copy: the graph's own logits may share memory with other graphs of its pool.
         return self.logits[batch][torch.from_numpy(rows[select]).to(self.inputs.device, non_blocking=True)]
 
 

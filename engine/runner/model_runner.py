@@ -186,8 +186,9 @@ class ModelRunner(LoadedModel):
         spec = self.config.speculative_config
         if spec is not None and self.backend.supports_verify_graphs:
             # No step drafts for more decoding sequences than disable_by_batch_size, so no larger verify batch
-            # comes. The decode graphs' pool: one step runs at a time, and the verify graphs' intermediates
-            # fit in what the largest decode graph's left free.
+            # comes. In the decode graphs' pool, their intermediates reuse the decode graphs' (one step runs at a
+            # time); a decode replay may overwrite a verify graph's logits, which run() gathers into a tensor of
+            # their own right after its replay.
             self.verify_graphs = DecodeGraphs(
                 self,
                 min(max_batch, spec.disable_by_batch_size),
