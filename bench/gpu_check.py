@@ -830,6 +830,20 @@ def _verify_phase(engine, draft_on: dict, on: bool, steps: int) -> tuple[list[fl
     return times, accepted
 
 
+def _replays(runner) -> tuple[int, int]:
+    """Steps run so far through the verify graphs (whole steps) and the piecewise prompt graphs."""
+    return tuple(0 if g is None else g.replays for g in (runner.verify_graphs, runner.prefill_graphs))
+
+
+def _verify_path(whole: int, piecewise: int, steps: int) -> str:
+    """Which path `steps` verify steps took, from the graphs' replay counts over them."""
+    if whole >= steps:
+        return "whole-step verify cuda graphs"
+    if whole + piecewise >= steps:
+        return f"piecewise cuda graphs, attention eager ({whole} of {steps} steps through verify graphs)"
+    return f"eager ({whole} of {steps} steps through verify graphs, {piecewise} through piecewise graphs)"
+
+
 def mode_verify(args) -> None:
     """Issue 21's verify-step goal (Llama-3-8B shape, k = 4: at most 1.15x a decode step at batch 1-8).
 
@@ -842,7 +856,8 @@ def mode_verify(args) -> None:
     estimates are frozen so that the cost model keeps every draft at k. The plain decode steps of an engine
     without speculation (asynchronous scheduling, the production path) are timed too, as a second baseline.
     Rows say which path each kind of step took: decode steps replay whole-step CUDA graphs, verify steps (several
-    query tokens per sequence) the piecewise graphs with attention run eagerly between them, or eager forwards.
+    query tokens per sequence) the whole-step verify graphs (engine/runner/cuda_graphs.py), or else the piecewise
+    graphs with attention run eagerly between them, or eager forwards.
     """
     model = args.verify_model or LLAMA_8B
     k, ctx, steps = args.verify_k, args.verify_context, args.verify_steps
@@ -882,12 +897,12 @@ def mode_verify(args) -> None:
                 started |= {o.request_id for o in e.step()}
         _verify_phase(engine, draft_on, True, 3)  # warm-up of both kinds of step at this batch size
         _verify_phase(engine, draft_on, False, 3)
-        replays0 = runner.prefill_graphs.replays if runner.prefill_graphs is not None else 0
+        replays0 = _replays(runner)
         for on in (False, True, False, True):  # alternating: the context grows alike under both
             times, acc = _verify_phase(engine, draft_on, on, steps // 2)
             phases["verify" if on else "decode"] += times
             accepted += acc if on else 0
-        replays = (runner.prefill_graphs.replays if runner.prefill_graphs is not None else 0) - replays0
+        whole, piecewise = (now - before for now, before in zip(_replays(runner), replays0))
         async_times = []
         for _ in range(steps + 3):
             t0 = time.perf_counter()
@@ -917,11 +932,7 @@ def mode_verify(args) -> None:
                 "timed_steps_each": len(phases["verify"]),
                 "accepted_per_verify_step": accepted / max(1, len(phases["verify"]) * batch),
                 "decode_path": "cuda graph (whole step)" if runner.graphs is not None else "eager",
-                "verify_path": (
-                    "piecewise cuda graphs, attention eager"
-                    if replays >= len(phases["verify"])
-                    else f"eager ({replays} of {len(phases['verify'])} steps through piecewise graphs)"
-                ),
+                "verify_path": _verify_path(whole, piecewise, len(phases["verify"])),
             },
         )
 

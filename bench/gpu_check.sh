@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -100,7 +100,14 @@ for step in "$@"; do
            python3 bench/gpu_check.py decode-tiles 2>&1 | grep -E "RESULT|Error|^best" | cut -c1-500 ;;
     # Issue 21: a speculative verify step (k = 4: 5 query tokens a sequence) against a plain decode step, Llama-3-8B
     # shape, batch 1/2/4/8, same engine and sequences (bench/gpu_check.py mode_verify); goal verify <= 1.15x decode.
-    verify) python3 bench/gpu_check.py verify 2>&1 | grep -E "RESULT|Error|captured" | cut -c1-700 ;;
+    verify) python3 bench/gpu_check.py verify 2>&1 | grep -E "RESULT|Error|captured" | cut -c1-800 ;;
+    # Verify steps on whole-step CUDA graphs (issue 21): the decode kernel with several queries a sequence (and
+    # the decode kernel tests, 16-bit and fp8), greedy equality with graphs / eager / no speculation (n-gram,
+    # draft model, the default model), the replay counter, nothing compiled or captured after start-up. The
+    # steps `spec` and `spec-draft-graphs` run the other speculation CUDA tests.
+    verify-graphs) python3 -m pytest -q -p no:cacheprovider tests/test_verify_graphs.py tests/test_kernels_attention.py \
+             tests/test_fp8_kv.py -k "verify or several_queries or test_decode" 2>&1 \
+             | tee $OUT/pytest-cuda-verify-graphs.log | tail -8 ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;

@@ -66,3 +66,36 @@ def assert_close(out, ref, dtype):
     assert not out.isnan().any(), "unwritten or NaN output"
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-4 if dtype == torch.float32 else 1e-2), err
+
+
+def verify_case(batch, q_lens, num_splits, k_cache=None, v_cache=None, ref_caches=None, **kwargs):
+    """paged_decode over a make_batch case of Q query rows a sequence, laid out as a verify step's (the first
+    q_lens[s] of sequence s's rows real, the rest padding) -> (its real rows, the reference's, the whole
+    output). k_cache / v_cache replace the batch's (an fp8 cache, with k_scale / v_scale in kwargs), and the
+    reference reads ref_caches instead (the dequantized ones)."""
+    from engine.kernels.decode import paged_decode
+
+    device = batch["q"].device
+    queries = batch["q"].shape[0] // len(q_lens)
+    context = batch["seq_lens"] - queries
+    seq_lens = (context + torch.tensor(q_lens, device=device)).to(torch.int32)
+    real = torch.cat([torch.arange(s * queries, s * queries + n) for s, n in enumerate(q_lens)]).to(device)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    k_cache = batch["k_cache"] if k_cache is None else k_cache
+    v_cache = batch["v_cache"] if v_cache is None else v_cache
+    out = paged_decode(
+        batch["q"],
+        k_cache,
+        v_cache,
+        batch["block_tables"],
+        seq_lens,
+        batch["scale"],
+        out=poisoned_like(batch["q"]),
+        num_splits=num_splits,
+        queries=queries,
+        query_lens=torch.tensor(q_lens, dtype=torch.int32, device=device),
+        **kwargs,
+    )
+    ref_k, ref_v = ref_caches or (k_cache, v_cache)
+    ref = reference(batch["q"][real], ref_k, ref_v, batch["block_tables"], starts, seq_lens, batch["scale"])
+    return out[real], ref, out

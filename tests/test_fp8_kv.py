@@ -18,7 +18,7 @@ if not CUDA:
 
 from engine import kv_fp8  # noqa: E402
 from engine.attention.torch_ref import store_kv as ref_store_kv  # noqa: E402
-from tests.attention_reference import make_batch, reference  # noqa: E402
+from tests.attention_reference import make_batch, reference, verify_case  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (fp8 kernels at full shapes, CUDA graphs)")
@@ -297,6 +297,21 @@ def test_decode_tilings_read_fp8(tiles, fp8, dtype):
         )  # fmt: skip
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert err < (1e-4 if dtype == torch.float32 else 1e-2), (splits, err)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_of_several_queries_a_sequence_reads_fp8(fp8, dtype):
+    """A verify step's layout (5 query rows a sequence, some padding; tests/test_kernels_attention.py) over an
+    fp8 cache, the shipped tiling's widening, one and three splits, against the reference over the dequantized
+    cache."""
+    ctx, q_lens = [61, 3, 130], [5, 2, 1]
+    case, (k8, v8), (ks, vs), deq = _quantized_batch(ctx, [5] * 3, 4, 2, 64, dtype, fp8, seed=8)
+    for splits in (1, 3):
+        got, ref, out = verify_case(case, q_lens, splits, k8, v8, deq, k_scale=ks, v_scale=vs)
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (1e-4 if dtype == torch.float32 else 1e-2), (splits, err)
+        assert out.isfinite().all()
 
 
 @pytest.mark.parametrize("tiles", _tilings("decode", "16bit"))

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from engine.kernels.attention import paged_prefill
 from engine.kernels.decode import MAX_DECODE_SPLITS, decode_num_splits, paged_decode
 from engine.kernels.prefill_fresh import fresh_prefill_fits, prefill_fresh
-from tests.attention_reference import assert_close, make_batch, poisoned_like, reference
+from tests.attention_reference import assert_close, make_batch, poisoned_like, reference, verify_case
 from tests.conftest import NEEDS_FA4, fa4_on_hopper
 
 CUDA = torch.cuda.is_available()
@@ -179,6 +179,25 @@ def test_decode_most_splits():
     # 3,000 keys cut into 47 whole tiles on the second.
     batch = make_batch([4, 3000], [1, 1], 4, 2, 64, 16, torch.float32, seed=7)
     assert_close(run_decode(batch, MAX_DECODE_SPLITS), reference(**batch), torch.float32)
+
+
+# Verify steps, k = 4: full drafts, shorter ones (adaptive k; 1 = a row without a draft), a context of 61 + 5
+# whose split boundary at key 64 falls between its queries (queries 61..63 see no key of the last split), and
+# contexts shorter than a tile.
+VERIFY_CTX = [61, 0, 130, 7, 200]
+VERIFY_Q = [5, 5, 2, 1, 3]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,block_size",
+    [(torch.float32, 8, 2, 64, 16), (torch.float16, 4, 1, 128, 8), (torch.float32, 4, 4, 64, 32)],
+)
+def test_decode_several_queries_a_sequence_is_causal(num_splits, dtype, heads, kv_heads, head_dim, block_size):
+    batch = make_batch(VERIFY_CTX, [5] * len(VERIFY_CTX), heads, kv_heads, head_dim, block_size, dtype, seed=11)
+    got, ref, out = verify_case(batch, VERIFY_Q, num_splits)
+    assert_close(got, ref, dtype)
+    assert out.isfinite().all()  # the padding rows too: nothing downstream may see a NaN
 
 
 def test_unsupported_head_dim_is_refused():

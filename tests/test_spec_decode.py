@@ -368,8 +368,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir):
     """Async scheduling around speculation: 6 sequences under a limit of 4 start without drafts, their steps
     overlapped (tokens still on the device get no draft), and speculate synchronously once fewer are left
-    (their max_tokens differ). On the GPU, verify steps (eager, or piecewise prompt graphs) come between
-    decode-graph steps."""
+    (their max_tokens differ). On the GPU with the triton backend, verify-graph steps come between decode-graph
+    steps (tests/test_verify_graphs.py); the torch backend runs both eagerly."""
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]

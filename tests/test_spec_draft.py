@@ -245,8 +245,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backend, tiny_model_dir, drafts):
     """As tests/test_spec_decode.py's test of that name, with a draft model: 6 sequences under a limit of 4
     start without drafts, their steps overlapped, and speculate synchronously once fewer are left; on the GPU,
-    verify steps and the draft's forwards (eager catch-up, decode graphs with the triton backend) come between
-    the model's decode-graph steps."""
+    verify steps (verify graphs with the triton backend) and the draft's forwards (eager catch-up, decode graphs
+    with the triton backend) come between the model's decode-graph steps."""
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(6, seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
@@ -261,6 +261,18 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
     assert not any(llm.engine.block_manager.ref_counts)
 
 
+def cuda_greedy_case(model_dir, seed: int):
+    """Six repetitive prompts with max_tokens of 10 to 35 (so drafts are cut short near the end and batches
+    shrink), the engine kwargs of the CUDA graph tests, and the greedy output without speculation."""
+    prompts = repetitive_prompts(6, seed=seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 5 * i, ignore_eos=True) for i in range(6)]
+    kwargs = dict(
+        dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks_override=256, max_num_seqs=8
+    )
+    want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
+    return prompts, params, kwargs, want
+
+
 @CUDA
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_draft_decode_graphs_equal_eager_and_no_speculation(arch, tiny_model_dir, drafts, monkeypatch):
@@ -270,12 +282,7 @@ def test_cuda_draft_decode_graphs_equal_eager_and_no_speculation(arch, tiny_mode
     store the draft's K/V where its next forwards read them. Drafts of 3 tokens cut short near max_tokens
     make the later replays run for fewer sequences than the first."""
     model_dir = tiny_model_dir(arch)
-    prompts = repetitive_prompts(6, seed=12)
-    params = [SamplingParams(temperature=0.0, max_tokens=10 + 5 * i, ignore_eos=True) for i in range(6)]
-    kwargs = dict(
-        dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks_override=256, max_num_seqs=8
-    )
-    want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
+    prompts, params, kwargs, want = cuda_greedy_case(model_dir, seed=12)
     captures = []
     begin = torch.cuda.CUDAGraph.capture_begin
     for draft, eager in ((drafts[arch], True), (drafts[arch], False), (model_dir, False)):
@@ -313,8 +320,10 @@ prompts = json.loads(sys.argv[4])
 with count_compiles() as compiled:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[:1], SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1), use_tqdm=False)
+verify = llm.engine.runner.verify_graphs
 print(json.dumps({"backend": llm.engine.runner.draft.backend.name, "compiled": dict(compiled),
-                  "graphs": llm.engine.runner.draft.graphs is not None}))
+                  "graphs": llm.engine.runner.draft.graphs is not None,
+                  "verify_replays": None if verify is None else verify.replays}))
 """
 
 
@@ -322,8 +331,9 @@ print(json.dumps({"backend": llm.engine.runner.draft.backend.name, "compiled": d
 @pytest.mark.parametrize("mode", ["graphs", "eager"])
 def test_cuda_no_triton_kernel_compiles_after_start_up_with_a_draft_model(mode, tiny_model_dir, drafts):
     """As tests/test_cuda.py's test of that name, with a draft model: its catch-up forwards (prompts of
-    21 to 174 tokens, chunked at 128), its decode steps (graphs, or eager), the model's verify steps and the
-    sampled path compile nothing after start-up; eager decode kernels excepted, as there. A fresh process."""
+    21 to 174 tokens, chunked at 128), its decode steps (graphs, or eager), the model's verify steps (its verify
+    graphs, or eager) and the sampled path compile nothing after start-up; eager decode kernels excepted, as
+    there. A fresh process."""
     import subprocess
     import sys
 
@@ -337,6 +347,11 @@ def test_cuda_no_triton_kernel_compiles_after_start_up_with_a_draft_model(mode, 
     report = json.loads(result.stdout.strip().splitlines()[-1])
     compiled = report["compiled"]
     assert report["backend"] == "triton" and report["graphs"] == (mode == "graphs")
+    # With graphs, the model's verify steps replay its verify graphs (compiled at their capture).
+    if mode == "graphs":
+        assert report["verify_replays"] > 0
+    else:
+        assert report["verify_replays"] is None
     if mode == "eager":
         compiled = {k: n for k, n in compiled.items() if not k.endswith(("._decode_kernel", "._decode_reduce_kernel"))}
     assert compiled == {}

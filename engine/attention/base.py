@@ -34,10 +34,16 @@ class AttentionMetadata:
     max_seq_len: int
     fresh: bool = False  # every sequence is a whole prompt with nothing cached before this step
     plan: Any = None  # what the backend's `plan` worked out for this step, read by every layer
+    # > 1: a verify graph's step (engine/runner/cuda_graphs.py): sequence s owns rows s*q .. s*q + q-1, the first
+    # query_lens_tensor[s] its last tokens, the rest padding (stored nowhere, read by no one).
+    queries_per_seq: int = 1
+    query_lens_tensor: torch.Tensor | None = None  # [S] int32 on the device, with queries_per_seq > 1
 
     @property
     def decode_only(self) -> bool:
-        return self.max_query_len == 1
+        """Every sequence owns the same number of query rows (one: a decode batch; several: a verify graph's
+        step): what `AttentionBackend.decode` attends."""
+        return self.max_query_len == 1 or self.queries_per_seq > 1
 
 
 @dataclass
@@ -68,6 +74,9 @@ class AttentionBackend:
     name = "base"
     ops: Ops = TORCH_OPS  # the norm / SwiGLU kernels that go with these attention kernels
     supports_graphs = False  # its calls can be captured in CUDA graphs
+    # Its `decode` attends several queries a sequence (AttentionMetadata.queries_per_seq), causally: verify steps
+    # of speculative decoding replay whole-step graphs (engine/runner/cuda_graphs.py).
+    supports_verify_graphs = False
     pad_block_tables = 1  # block-table width is padded to a multiple of this (kernel variants; step_inputs.py)
     # Prompt lengths whose forwards compile every kernel variant a prompt step can meet; run at start-up
     # with and without cached context (ModelRunner.compile_kernels). Empty: nothing to compile.
@@ -103,7 +112,8 @@ class AttentionBackend:
     def decode(
         self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
     ) -> torch.Tensor:
-        """One query per sequence, q [S, H, D], against its context -> [S, H, D] (into `out`)."""
+        """One query per sequence, q [S, H, D], against its context -> [S, H, D] (into `out`); with
+        meta.queries_per_seq q > 1 (backends that support verify graphs), q is [S * q, H, D]."""
         raise NotImplementedError
 
 

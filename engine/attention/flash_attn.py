@@ -65,6 +65,7 @@ class FlashAttnBackend(TritonBackend):
     preparation stay the Triton kernel's, and so do the norm and SwiGLU ops."""
 
     name = "flash_attn"
+    supports_verify_graphs = False  # its decode is the varlen prefill, which knows no padded query rows
 
     def __init__(self, device: torch.device):
         super().__init__(device)

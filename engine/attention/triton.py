@@ -2,9 +2,9 @@
 
 Prompt steps: whole fresh prompts go to `prefill_fresh` (tiles fed from the step's own k/v, which over
 an fp8 cache the store has rounded to the cache's values), the rest (chunks after cached context,
-decodes beside prompts) to `paged_prefill` through the block tables; decode batches to the split-KV
-`paged_decode`. On a Hopper GPU with flash-attn-4 installed, `TritonFa4Backend` (flash_attn.py) sends
-prompt steps with a long query run there instead.
+decodes beside prompts) to `paged_prefill` through the block tables; decode batches, and the verify graphs'
+steps (k + 1 query rows a sequence), to the split-KV `paged_decode`. On a Hopper GPU with flash-attn-4
+installed, `TritonFa4Backend` (flash_attn.py) sends prompt steps with a long query run there instead.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.ops import triton_ops_table
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
+    supports_verify_graphs = True
     # Triton compiles a kernel variant per divisibility of an integer argument; a block-table width
     # that is always a multiple of 16 keeps the variants compiled at start-up the only ones.
     pad_block_tables = 16
@@ -75,7 +76,8 @@ class TritonBackend(AttentionBackend):
         )
 
     def decode(self, layer, q, meta, out):
-        splits = self.decode_num_splits(q.shape[0], layer.num_kv_heads, self.num_sms)
+        queries = meta.queries_per_seq
+        splits = self.decode_num_splits(q.shape[0] // queries, layer.num_kv_heads, self.num_sms)
         return self.paged_decode(
             q,
             layer.k_cache,
@@ -87,4 +89,6 @@ class TritonBackend(AttentionBackend):
             num_splits=splits,
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
+            queries=queries,
+            query_lens=meta.query_lens_tensor,
         )

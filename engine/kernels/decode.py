@@ -1,9 +1,10 @@
-"""Split-KV (flash-decoding) paged attention in Triton: one query per sequence against its cached keys.
+"""Split-KV (flash-decoding) paged attention in Triton: a fixed number of queries per sequence (one for a
+decode, k + 1 for a speculative verify step) against its cached keys.
 
-Program (sequence, KV head, split) runs the G query heads of a KV head over one chunk of keys read
-through the block table (the tile loop of attention.py); a reduce kernel merges the splits by their
-log-sum-exp. The split count comes from shapes and the device's SM count only, so a launch needs no
-host sync and can be captured in a CUDA graph.
+Program (sequence, KV head, split) runs the Q x G query rows of a KV head (its G query heads for each of
+the sequence's Q queries) over one chunk of keys read through the block table (the tile loop of
+attention.py); a reduce kernel merges the splits by their log-sum-exp. The split count comes from shapes
+and the device's SM count only, so a launch needs no host sync and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _decode_kernel(
     part_lse_ptr,
     bt_ptr,
     seq_lens_ptr,
+    query_lens_ptr,
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
@@ -55,6 +57,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUERIES: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False,
     WIDEN: tl.constexpr = 0,
     WIDEN_SHIFT: tl.constexpr = 0,
@@ -74,15 +77,34 @@ def _decode_kernel(
     hi = tl.minimum(lo + chunk, seq_len)
 
     rows = tl.arange(0, BLOCK_G)
-    head = kvh * GROUP + rows
-    row_ok = rows < GROUP
+    row_ok = rows < QUERIES * GROUP
+    if QUERIES == 1:
+        head = kvh * GROUP + rows
+        token = seq.to(tl.int64)  # the row of q and out (a scalar: every program row's)
+        part_row = seq * tl.num_programs(1) * GROUP
+        q_pos = rows  # unread: no causal mask
+        m_init = float("-inf")
+    else:
+        # Row r is query r // G of the sequence, head kvh * G + r % G. The sequence's first query_lens[s]
+        # rows are real and sit at positions seq_len - query_lens[s] ...; the rest are padding, whose
+        # positions run past the last key, so they see every key (finite output that nobody reads).
+        query = rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        query_row = seq.to(tl.int64) * QUERIES + query  # its row of q and out
+        token = query_row[:, None]
+        part_row = query_row * (tl.num_programs(1) * GROUP)
+        q_pos = seq_len - tl.load(query_lens_ptr + seq) + query
+        # A split can begin past a query's position (a split boundary inside the last Q keys): that row
+        # sees no key of the split, and a finite initial maximum keeps its exponentials at exp2(-inf) = 0
+        # instead of exp2(-inf - -inf) = NaN; it ends with l_i = 0, which the merge drops.
+        m_init = -1.0e30
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_offs = seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q_offs = token * stride_qs + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], m_init, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8, UNBIAS)
     q = _prescale_q(q, KV_FP8, PRESCALE)
@@ -91,7 +113,7 @@ def _decode_kernel(
         m_i,
         l_i,
         q,
-        rows,
+        q_pos,
         k_ptr,
         v_ptr,
         bt_ptr + seq * stride_bt,
@@ -106,7 +128,7 @@ def _decode_kernel(
         d_ok,
         BLOCK_SIZE,
         BLOCK_N,
-        False,
+        QUERIES > 1,
         True,
         PRECISION,
         False,
@@ -123,11 +145,11 @@ def _decode_kernel(
         acc = acc * v_scale  # a split's partial is a weighted mean of V rows: scaling each scales the merge
     store_ok = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        o_offs = seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + d[None, :]
+        o_offs = token * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=store_ok)
     else:
-        # Scratch is [S, H, NUM_SPLITS, HEAD_DIM] and [S, H, NUM_SPLITS]; lse is in log2 units.
-        part = (seq * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+        # Scratch is [S * Q, H, NUM_SPLITS, HEAD_DIM] and [S * Q, H, NUM_SPLITS]; lse is in log2 units.
+        part = (part_row + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=store_ok)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
@@ -227,18 +249,27 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
+    queries: int = 1,
+    query_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [S, H, D], against keys 0..seq_lens[s]-1 -> [S, H, D].
 
-    Split-KV (flash-decoding): program (s, kv head, split) runs all G query heads of the KV head
-    over one chunk of keys; a reduce kernel merges the splits by their log-sum-exp. No host sync,
-    grid from shapes only, so the call can be captured in a CUDA graph. An fp8 cache is read as
+    With `queries` Q > 1 (a speculative verify step), q is [S * Q, H, D]: sequence s owns rows s*Q ..
+    s*Q + Q-1, of which the first query_lens[s] ([S] int32 on the device, 1..Q) are its last tokens, at
+    positions seq_lens[s] - query_lens[s] ..., each seeing the keys up to its own position (causal); the
+    rest are padding, whose output is meaningless but finite.
+
+    Split-KV (flash-decoding): program (s, kv head, split) runs all G query heads of the KV head (for each
+    of its Q queries) over one chunk of keys; a reduce kernel merges the splits by their log-sum-exp. No
+    host sync, grid from shapes only, so the call can be captured in a CUDA graph. An fp8 cache is read as
     stored * k_scale / v_scale (one-element float32 tensors, read on the device). `tiles` overrides
     DECODE_TILES (the tile sweep of bench/gpu_check.py).
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
-    num_seqs, heads, head_dim = q.shape
+    rows, heads, head_dim = q.shape
+    assert rows % queries == 0 and (queries == 1 or query_lens is not None), "q is [S * Q, H, D], with query_lens"
+    num_seqs = rows // queries
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_seqs == 0:
         return out
@@ -250,8 +281,8 @@ def paged_decode(
     # fp8: the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches.
     widen = asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)) if fp8 else {}
     if num_splits > 1:
-        part_out = torch.empty(num_seqs, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(rows, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused: the kernel writes straight to out
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
@@ -263,6 +294,7 @@ def paged_decode(
         part_lse,
         block_tables,
         seq_lens,
+        query_lens if queries > 1 else None,  # None: a constexpr, unread
         # None (a constexpr) for a 16/32-bit cache: the kernel compiles as it did before fp8 caches.
         k_scale if fp8 else None,
         v_scale if fp8 else None,
@@ -279,18 +311,19 @@ def paged_decode(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, triton.next_power_of_2(queries * group)),
         BLOCK_N=tiles.block_n if head_dim <= 128 else tiles.block_n // 2,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
+        QUERIES=queries,
         KV_FP8=fp8,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **widen,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, heads)](
+        _decode_reduce_kernel[(rows, heads)](
             part_out,
             part_lse,
             out,

@@ -1,8 +1,12 @@
-"""CUDA graphs: whole decode steps, and prompt steps captured in pieces between the attention calls.
+"""CUDA graphs: whole decode and verify steps, and prompt steps captured in pieces between the attention calls.
 
 Decode (DecodeGraphs): the forward + lm_head of a batch of one-token queries, one graph per bucketed
 batch size. A replay costs one launch instead of one per kernel, which is what decode steps of
 small models are bound by.
+
+Verify (DecodeGraphs with queries = k + 1, captured only with speculative decoding): the same for the
+steps that score drafts, k + 1 query tokens a sequence (its last token and a k-token draft), attended by
+the split-KV decode kernel with a causal mask inside the sequence's rows (engine/kernels/decode.py).
 
 Prompt steps (PrefillGraphs): a prompt (or mixed prompt + decode) step launches ~10 kernels per
 layer from Python; at a few hundred tokens the GPU finishes each faster than the host can launch
@@ -60,40 +64,65 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """CUDA graphs of the decode forward (+ lm_head) for bucketed batch sizes.
+    """CUDA graphs of the decode forward (+ lm_head) for bucketed batch sizes, `queries` tokens a sequence.
 
     All graphs read the same static input buffers and share one memory pool. A replay costs one
     launch instead of one per kernel, which is what decode steps of small models are bound by.
     Padded rows store nothing (slot -1) and attend to one key of block 0; their logits are ignored.
+
+    queries = k + 1 (verify steps of speculative decoding): sequence s owns rows s*q .. s*q + q-1. A sequence
+    with fewer tokens than q (a shorter draft: adaptive k, or room or max_tokens cut it; or no draft at all,
+    beside speculating ones) leaves its last rows as padding: at its last token's position (so that the
+    sequence's last row gives its length, which the graph computes), stored nowhere (slot -1), attending
+    every key of the sequence, its logits never read. One graph per batch size serves every draft length,
+    instead of one per (batch size, length): k times fewer captures, and less memory, since every graph keeps
+    its own logits (Llama-3-8B, k = 4, batches 1..16: 155 rows of 128,256 bf16 logits, 38 MiB, against 2.8
+    times that for graphs of 2..5 rows a sequence), for at most k padded rows a sequence in a step whose
+    weight reads cost the same with or without them.
     """
 
-    def __init__(self, runner, max_batch: int, max_blocks: int, max_model_len: int):
+    def __init__(
+        self,
+        runner,
+        max_batch: int,
+        max_blocks: int,
+        max_model_len: int,
+        queries: int = 1,
+        pool=None,
+    ):
         self.runner = runner
+        self.queries = queries
         self.sizes = graph_batch_sizes(max_batch)
         device = runner.device
-        # Token ids, positions and KV slots travel together: one pinned host buffer, one copy.
-        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.inputs
+        rows = max_batch * queries
+        # Token ids, positions and KV slots travel together (and, for verify graphs, each sequence's count
+        # of real tokens, in the first max_batch entries of a fourth row): one pinned host buffer, one copy.
+        self.inputs = torch.zeros(3 + (queries > 1), rows, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs[:3]
         self.slot_mapping.fill_(-1)  # the warm-up and capture runs must not write into the cache
-        self.host = [torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host = [torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.host_tables = [torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.turn = 0
         self.staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's copies
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # positions + 1, in the graph
-        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # Set in the graph: the last row's position + 1 (padding rows repeat the last real position).
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.query_lens = torch.ones(max_batch, dtype=torch.int32, device=device) if queries > 1 else None
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device) * queries
         self.max_model_len = max_model_len
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps run through the graphs (tests read it)
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        kind = "decode" if queries == 1 else f"verify ({queries} tokens a sequence)"
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         for batch in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self._capture(batch, pool)
+            self._capture(batch, self.pool)
         torch.cuda.synchronize(device)
         log.info(
-            "captured %d decode CUDA graphs of %s (batch %d..%d) in %.1f s, using %.2f GiB",
+            "captured %d %s CUDA graphs of %s (batch %d..%d) in %.1f s, using %.2f GiB",
             len(self.sizes),
+            kind,
             runner.what,
             self.sizes[0],
             self.sizes[-1],
@@ -101,32 +130,38 @@ class DecodeGraphs:
             (torch.cuda.memory_reserved(device) - reserved) / 2**30,
         )
 
-    def fits(self, batch: int) -> bool:
-        return batch <= self.sizes[-1]
+    def fits(self, batch: int, max_tokens: int = 1) -> bool:
+        """Whether a step of `batch` sequences of at most `max_tokens` tokens each has a graph."""
+        return batch <= self.sizes[-1] and max_tokens <= self.queries
 
     def _meta(self, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch],
-            query_start=list(range(batch + 1)),
-            seq_lens=[1] * batch,  # host copy unused by the graph backends
-            block_tables=self.block_tables[:batch],
-            seq_lens_tensor=self.seq_lens[:batch],
-            query_start_tensor=self.query_start[: batch + 1],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
+        return rows_metadata(
+            batch,
+            self.queries,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start,
+            self.query_lens,
+            self.max_model_len,
         )
 
     @torch.inference_mode()
     def _capture(self, batch: int, pool) -> None:
         model, backend = self.runner.model, self.runner.backend
         meta = self._meta(batch)
+        rows = batch * self.queries
 
         def forward() -> torch.Tensor:
-            self.seq_lens[:batch].copy_(self.positions[:batch] + 1)
+            self.seq_lens[:batch].copy_(self.positions[:rows].view(batch, self.queries)[:, -1] + 1)
+            if self.query_lens is not None:
+                self.query_lens[:batch].copy_(self.inputs[3, :batch])
             backend.plan(meta)  # inside the graph: whatever it derives follows the replayed lengths
-            hidden = model(self.input_ids[:batch], self.positions[:batch], meta)
+            hidden = model(self.input_ids[:rows], self.positions[:rows], meta)
             return model.compute_logits(hidden)
 
+        if self.query_lens is not None:
+            self.inputs[3].fill_(1)  # the warm-up: one real token a sequence
         forward()  # compile / autotune outside the capture
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
@@ -141,10 +176,16 @@ class DecodeGraphs:
         positions: np.ndarray,
         tables: list[list[int]],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_new: np.ndarray | None = None,
+        select: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.
-        `fill`: (row indices, token ids on the device) that replace those rows' token ids."""
-        n = len(token_ids)
+        """Fill the static inputs for len(tables) sequences, replay, return their logits: [rows, vocab] for
+        decode graphs (one row a sequence). `fill`: (indices into token_ids, token ids on the device) that
+        replace those tokens' ids.
+
+        Verify graphs: sequence s computes num_new[s] (1..queries) of the flat `token_ids` / `positions`;
+        the logits returned are those of the tokens `select` (indices into token_ids)."""
+        n = len(tables)
         batch = next(b for b in self.sizes if b >= n)
         bs = self.runner.block_size
         # Two staging buffers, alternating: with async scheduling this step's inputs are written
@@ -156,23 +197,90 @@ class DecodeGraphs:
         self.staged[self.turn].synchronize()  # at once if never recorded
         host_tensor, tables_tensor = self.host[self.turn], self.host_tables[self.turn]
         host = host_tensor.numpy()
-        host[0, :n] = token_ids
-        pos = host[1, :n]
-        pos[:] = positions
         tables_host = tables_tensor.numpy()
         width = block_table_array(tables, tables_host)
-        host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        # Padded rows: position 0 (so one key to attend to), and no KV store.
-        host[1, n:batch] = 0
-        host[2, n:batch] = -1
-        self.inputs[:, :batch].copy_(host_tensor[:, :batch], non_blocking=True)
+        if self.queries == 1:
+            rows = None
+            host[0, :n] = token_ids
+            pos = host[1, :n]
+            pos[:] = positions
+            host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+            # Padded rows: position 0 (so one key to attend to), and no KV store.
+            host[1, n:batch] = 0
+            host[2, n:batch] = -1
+        else:
+            rows = stage_verify(host, self.queries, bs, batch, token_ids, positions, tables_host, num_new)
+        size = batch * self.queries
+        self.inputs[:, :size].copy_(host_tensor[:, :size], non_blocking=True)
         self.block_tables[:n, :width].copy_(tables_tensor[:n, :width], non_blocking=True)
         self.staged[self.turn].record()
         if fill is not None:
-            self.input_ids[fill[0]] = fill[1]
+            at = fill[0] if rows is None else torch.from_numpy(rows).to(self.inputs.device, non_blocking=True)[fill[0]]
+            self.input_ids[at] = fill[1]
         self.replays += 1
         self.graphs[batch].replay()
-        return self.logits[batch][:n]
+        if rows is None:
+            return self.logits[batch][:n]
+        # A gather, so a copy: the graph's own logits may share memory with other graphs of its pool.
+        return self.logits[batch][torch.from_numpy(rows[select]).to(self.inputs.device, non_blocking=True)]
+
+
+def rows_metadata(
+    batch: int,
+    queries: int,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    max_model_len: int,
+) -> AttentionMetadata:
+    """The metadata of `batch` sequences of `queries` rows each (DecodeGraphs), over the leading part of
+    buffers sized for the largest batch; `query_lens` (queries > 1): each sequence's real rows."""
+    return AttentionMetadata(
+        slot_mapping=slot_mapping[: batch * queries],
+        query_start=list(range(0, batch * queries + 1, queries)),
+        seq_lens=[1] * batch,  # host copy unused by the graph backends
+        block_tables=block_tables[:batch],
+        seq_lens_tensor=seq_lens[:batch],
+        query_start_tensor=query_start[: batch + 1],
+        max_query_len=queries,
+        max_seq_len=max_model_len,
+        queries_per_seq=queries,
+        query_lens_tensor=None if query_lens is None else query_lens[:batch],
+    )
+
+
+def stage_verify(
+    host: np.ndarray,
+    queries: int,
+    block_size: int,
+    batch: int,
+    token_ids: np.ndarray,
+    positions: np.ndarray,
+    tables: np.ndarray,
+    num_new: np.ndarray,
+) -> np.ndarray:
+    """Write a verify step's inputs into `host` (rows: token ids, positions, KV slots, and each sequence's
+    count of real tokens in the fourth row's first `batch` entries), for len(num_new) sequences padded to
+    `batch` with `queries` rows each (DecodeGraphs says how); `tables`: their block tables, one row each.
+    Returns each token's row."""
+    n, q, bs = len(num_new), queries, block_size
+    ends = np.cumsum(num_new)
+    rows = np.repeat(np.arange(n) * q - (ends - num_new), num_new) + np.arange(len(token_ids))
+    seq_of = np.repeat(np.arange(n), num_new)
+    slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+    size = batch * q
+    host[0, :size] = 0
+    host[0, rows] = token_ids
+    host[1, : n * q] = np.repeat(positions[ends - 1], q)  # padding: its sequence's last position
+    host[1, n * q : size] = 0  # padded sequences: position 0, one key to attend to
+    host[1, rows] = positions
+    host[2, :size] = -1
+    host[2, rows] = slots
+    host[3, :n] = num_new
+    host[3, n:batch] = 1
+    return rows
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

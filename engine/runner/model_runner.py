@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.faults import FaultInjector
-from engine.runner.cuda_graphs import PrefillGraphs
+from engine.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.runner.kv_cache import blocks_that_fit_on_gpu
 from engine.runner.loaded_model import PROFILE_PARAMS, LoadedModel
 from engine.runner.pooler import PooledRows, Pooler
@@ -78,6 +78,7 @@ class ModelRunner(LoadedModel):
         self.draft = DraftModel(config, draft_dir, eos_token_ids) if draft_dir is not None else None
         self.kv_caches = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None else [])
         self.prefill_graphs: PrefillGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verify steps (k + 1 tokens a row)
         self.faults: FaultInjector | None = None  # test-only (engine/faults.py); the engine sets it
 
     # ----- start-up: KV cache, kernels, graphs -----
@@ -146,7 +147,7 @@ class ModelRunner(LoadedModel):
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         used = torch.cuda.memory_reserved(self.device) - before
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.verify_graphs = None
         if self.draft is not None:
             self.draft.graphs = None
         for kv_cache in self.kv_caches:
@@ -174,13 +175,28 @@ class ModelRunner(LoadedModel):
             torch.cuda.synchronize(self.device)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture the decode graphs and the piecewise prompt-step graphs, and the draft model's decode
-        graphs, when the device and backend allow them and they are not turned off."""
+        """Capture the decode graphs and the piecewise prompt-step graphs, with speculative decoding the
+        verify graphs and the draft model's decode graphs, when the device and backend allow them and they
+        are not turned off."""
         if not self.graphs_enabled():
             log.info("no CUDA graphs: %s", self.why_no_graphs())
             return
         max_batch = min(self.config.max_graph_batch_size, self.config.max_num_seqs)
         self.capture_decode_graphs(max_batch, max_model_len)
+        spec = self.config.speculative_config
+        if spec is not None and self.backend.supports_verify_graphs:
+            # No step drafts for more decoding sequences than disable_by_batch_size, so no larger verify batch
+            # comes. In the decode graphs' pool, their intermediates reuse the decode graphs' (one step runs at a
+            # time); a decode replay may overwrite a verify graph's logits, which run() gathers into a tensor of
+            # their own right after its replay.
+            self.verify_graphs = DecodeGraphs(
+                self,
+                min(max_batch, spec.disable_by_batch_size),
+                -(-max_model_len // self.block_size),
+                max_model_len,
+                queries=spec.num_speculative_tokens + 1,
+                pool=self.graphs.pool,
+            )
         max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
         if max_tokens >= 16:
             self.prefill_graphs = PrefillGraphs(self, max_tokens)
@@ -229,10 +245,21 @@ class ModelRunner(LoadedModel):
         pooled = None
         # Pooling needs the hidden states, which a decode graph does not return (an embedding prompt's
         # one-token chunk can make a step look decode-only).
+        verify = self.verify_graphs
         if self.graphs is not None and inputs.decode_only and not pooling and self.graphs.fits(len(inputs.seqs)):
             logits = self.graphs.run(inputs.token_ids, inputs.positions, inputs.tables, fill)
             if rows != list(range(len(inputs.seqs))):  # n > 1 children read their parent's row
                 logits = logits[upload(np.asarray(rows), self.device)]
+        elif (
+            drafts is not None
+            and verify is not None
+            and not pooling
+            and verify.fits(len(inputs.seqs), int(inputs.num_new.max()))
+        ):
+            # A verify step whose every sequence computes at most k + 1 tokens (drafts, decodes beside them, a
+            # prompt's short last chunk): one whole-step graph. Steps with longer prompt chunks take the paths below.
+            select = _scored_tokens(inputs.ends[rows] - 1, drafts)
+            logits = verify.run(inputs.token_ids, inputs.positions, inputs.tables, fill, inputs.num_new, select)
         else:
             meta = attention_metadata(
                 self.backend, self.block_size, self.device, inputs.num_new, inputs.positions, inputs.tables
@@ -249,10 +276,8 @@ class ModelRunner(LoadedModel):
             logits = None
             if sampling:
                 last = inputs.ends[rows] - 1
-                if drafts is not None:  # every scored position of a speculating entry: last - k .. last
-                    counts = np.array([len(d) + 1 for d in drafts])
-                    first = np.repeat(last - counts + 1, counts)
-                    last = first + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+                if drafts is not None:
+                    last = _scored_tokens(last, drafts)
                 logits = self.model.compute_logits(hidden[upload(last, self.device)])
         if not sampling:
             return LaunchedStep([], pooled=pooled)
@@ -337,6 +362,14 @@ class ModelRunner(LoadedModel):
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None and k > 0 else []
             per_row.append(TokenLogprobs(token, logprobs[i], top))
         return SampledTokens(token_ids, per_row)
+
+
+def _scored_tokens(last: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
+    """The tokens whose logits a speculative step samples: of each sampling entry (whose last token is at
+    `last`), every scored position, last - len(draft) .. last."""
+    counts = np.array([len(d) + 1 for d in drafts])
+    first = np.repeat(last - counts + 1, counts)
+    return first + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _drafted_rows(
