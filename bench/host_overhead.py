@@ -5,7 +5,8 @@
 W2 is 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), greedy, ignore_eos,
 max_num_batched_tokens 8192, max_num_seqs 256 (bench/gpu_check.py `_workload("w2")`). The model is a
 Qwen3 with W2's request shapes but a tiny body (dummy weights), so its forward is cheap; the forward,
-the lm_head and the sampler's tensor work are timed and subtracted, and what remains is the engine's
+the lm_head, the sampler's tensor work and the runner's check for non-finite logits (`sample_checks`: a
+sum over the step's logits, a kernel on a GPU) are timed and subtracted, and what remains is the engine's
 host work: scheduling, block allocation, prefix-cache names, inputs and attention metadata, sampler
 rows, output processing. With async scheduling (the default, as on CUDA) a `step()` call launches one
 step and completes another; each component is charged to the step it belongs to.
@@ -76,7 +77,7 @@ TINY_QWEN3 = {
 # About what the H100's pool holds for Qwen3-0.6B at gpu_memory_utilization 0.9 (~114 KiB of KV a token).
 NUM_BLOCKS = 32768
 # Components that are device work on a GPU; everything else in a step is host work.
-DEVICE_PARTS = ("forward", "logits", "sampler_device")
+DEVICE_PARTS = ("forward", "logits", "sampler_device", "sample_checks")
 PARTS = (
     "host",
     "schedule",
@@ -91,6 +92,7 @@ PARTS = (
     "forward",
     "logits",
     "sampler_device",
+    "sample_checks",
 )
 
 
@@ -112,6 +114,7 @@ class StepTimer:
         self._wrap(model, "compute_logits", "logits")
         self._wrap(sampler, "_upload", "sampler_prep")
         self._wrap(runner, "launch", "runner")
+        self._wrap(runner, "sample", "runner_sample")
         runner.sampler = self._timed_call(sampler, "sampler")  # a __call__ cannot be wrapped on the instance
         launch, complete = engine._launch, engine._complete
 
@@ -174,11 +177,14 @@ def _finish(r: dict, batched: int, prefill: int, generated: int, num_seqs: int) 
     """Milliseconds per component of one step, the host's share derived."""
     r = defaultdict(float, r)
     sampler_device = r["sampler"] - r["sampler_prep"]
+    # ModelRunner.sample beyond the sampler: the check for non-finite logits (a sum over every row's
+    # logits) and the host copies' set-up: tensor work, on a GPU enqueued behind the sampler.
+    sample_checks = r["runner_sample"] - r["sampler"]
     out = {
         "schedule": r["schedule"],
         "metadata": r["metadata"],
         "sampler_prep": r["sampler_prep"],
-        "runner_other": r["runner"] - r["metadata"] - r["forward"] - r["logits"] - r["sampler"],
+        "runner_other": r["runner"] - r["metadata"] - r["forward"] - r["logits"] - r["runner_sample"],
         "engine_launch_other": r["launch"] - r["schedule"] - r["runner"],
         "collect": r["collect"],
         "name_blocks": r["name_blocks"],
@@ -186,9 +192,10 @@ def _finish(r: dict, batched: int, prefill: int, generated: int, num_seqs: int) 
         "forward": r["forward"],
         "logits": r["logits"],
         "sampler_device": sampler_device,
+        "sample_checks": sample_checks,
         "gc": r["gc"],
     }
-    out["host"] = r["launch"] + r["complete"] - r["forward"] - r["logits"] - sampler_device
+    out["host"] = r["launch"] + r["complete"] - r["forward"] - r["logits"] - sampler_device - sample_checks
     row = {k: v * 1e3 for k, v in out.items()}
     row.update(batched=batched, prefill=prefill, generated=generated, num_seqs=num_seqs)
     return row

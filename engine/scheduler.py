@@ -349,12 +349,18 @@ class Scheduler:
         next one, in order, until one of them stops it (eos, stop token or string, max_tokens); a speculating
         sequence then gives back the computed tokens (and the blocks) of what was rejected, and the blocks its
         accepted tokens filled go to the prefix cache; `refused` indexes those rows too."""
+        bm = self.block_manager
+        block_size = bm.block_size
+        running = SequenceStatus.RUNNING
         for item, end in zip(plan.scheduled, plan.ends):
             # Not for a sequence preempted (or finished) since: its blocks are gone. Not for a speculating one
-            # yet: its draft's tokens are not verified (below, once it is known what was accepted).
-            if item.seq.status is SequenceStatus.RUNNING and not item.draft:
-                self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
+            # yet: its draft's tokens are not verified (below, once it is known what was accepted). Nor for
+            # one whose step filled no block (most decodes; checked here, saving a call per sequence).
+            if (end - item.num_new_tokens) // block_size != end // block_size:
+                if item.seq.status is running and not item.draft:
+                    bm.name_full_blocks(item.seq, end, item.num_new_tokens)
         now = time.monotonic()
+        finished = SequenceStatus.FINISHED
         touched: dict[str, Request] = {}
         logprobs = logprobs or [None] * len(token_ids)
         if plan.drafts is None:  # one row each, nothing to accept
@@ -364,7 +370,7 @@ class Scheduler:
         row = 0
         for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, drafts, accepted):
             first, row = row, row + len(draft) + 1
-            if seq.is_finished:  # aborted, or stopped by the token before this one
+            if seq.status is finished:  # aborted, or stopped by the token before this one
                 continue
             if first in refused:
                 # The mask left no allowed token (the grammar and min_tokens both banned every one): the
@@ -378,7 +384,7 @@ class Scheduler:
             else:
                 for i in range(num_accepted + 1):
                     self._put_token(seq, slot + i, token_ids[first + i], logprobs[first + i])
-                    if seq.is_finished:
+                    if seq.status is finished:
                         break  # stopped by an accepted token: the rest of the draft is dropped
             if draft:
                 plan.accepted.append((seq, len(draft), num_accepted))
@@ -392,16 +398,20 @@ class Scheduler:
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
-            if seq.is_finished or request.params.output_kind != "final_only":
+            if seq.status is finished or request.params.output_kind != "final_only":
                 touched[request.request_id] = request
         return list(touched.values())
 
     def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
-        max_tokens = seq.request.params.max_tokens
-        return (
-            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
-        ) or num_tokens >= self.max_model_len
+        limit = seq.max_num_tokens
+        if limit is None:  # worked out once: it is asked for every sampled sequence twice a step
+            max_tokens = seq.request.params.max_tokens
+            limit = self.max_model_len
+            if max_tokens is not None:
+                limit = min(limit, seq.num_prompt_tokens + max_tokens)
+            seq.max_num_tokens = limit
+        return num_tokens >= limit
 
     def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
         """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""

@@ -59,10 +59,15 @@ class Sequence:
     num_preemptions: int = 0
     num_pending: int = 0  # trailing token_ids that are PLACEHOLDERs: sampled on the device, not read yet
     embedding: list[float] | None = None  # an embedding request's pooled vector, once its prompt has run
+    # len(request.prompt_token_ids), kept as a field: the scheduler and the runner read it for every
+    # sequence of every step (a request's prompt never changes).
+    num_prompt_tokens: int = field(init=False, default=0)
+    # The length (prompt + output) at which max_tokens or the context length ends it; set by the scheduler
+    # on first use (Scheduler.ends_by_length), which knows the context length.
+    max_num_tokens: int | None = field(init=False, default=None)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
