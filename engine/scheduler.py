@@ -115,11 +115,15 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        # Decodes first (one token each), then prefills already under way, each by priority.
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
-            if seq.status is not SequenceStatus.RUNNING:
+        running = SequenceStatus.RUNNING
+        # Decodes first (one token each), then prefills already under way, each by priority. (This loop
+        # visits every running sequence every step: the uncomputed count and a decode's chunk of one are
+        # worked out inline.)
+        for seq in sorted(self.running, key=lambda s: (len(s.token_ids) - s.num_computed_tokens > 1, s.sort_key)):
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(seq, budget)
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = 1 if uncomputed == 1 and budget > 0 else self._chunk(seq, budget)
             if num_new == 0:
                 continue
             draft = drafts.get(seq.seq_id, ()) if drafts and num_new == 1 else ()
@@ -134,7 +138,7 @@ class Scheduler:
                     self._preempt(victim, out)
                     if victim is seq:
                         break
-                if seq.status is not SequenceStatus.RUNNING:
+                if seq.status is not running:
                     continue
                 out.block_copies += bm.allocate(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new, draft))
