@@ -264,6 +264,7 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.block_table = self.block_manager.take_blocks(len(seq.swapped_blocks))
+        seq.block_table_version += 1
         out.swap_in += list(zip(seq.swapped_blocks, seq.block_table))
         self.swap_pool.give_back(seq.swapped_blocks)
         seq.swapped_blocks = []

@@ -139,7 +139,7 @@ class DecodeGraphs:
         self,
         token_ids: np.ndarray,
         positions: np.ndarray,
-        tables: list[list[int]],
+        tables: list[list[int]] | list[np.ndarray],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Fill the static inputs for len(token_ids) decode rows, replay, return [rows, vocab] logits.
