@@ -1,11 +1,12 @@
 """Host time per engine step, by component, on the W2 request mix with a tiny model on the CPU.
 
-    .venv/bin/python bench/host_overhead.py [--runs 3] [--sync] [--profile] [--out FILE.jsonl]
+    .venv/bin/python bench/host_overhead.py [--runs 3] [--sync] [--cpu-time] [--profile] [--out FILE.jsonl]
 
 W2 is 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), greedy, ignore_eos,
 max_num_batched_tokens 8192, max_num_seqs 256 (bench/gpu_check.py `_workload("w2")`). The model is a
 Qwen3 with W2's request shapes but a tiny body (dummy weights), so its forward is cheap; the forward,
-the lm_head and the sampler's tensor work are timed and subtracted, and what remains is the engine's
+the lm_head, the sampler's tensor work and the runner's check for non-finite logits (`sample_checks`: a
+sum over the step's logits, a kernel on a GPU) are timed and subtracted, and what remains is the engine's
 host work: scheduling, block allocation, prefix-cache names, inputs and attention metadata, sampler
 rows, output processing. With async scheduling (the default, as on CUDA) a `step()` call launches one
 step and completes another; each component is charged to the step it belongs to.
@@ -18,7 +19,9 @@ cProfile's top functions (by own time) over one run's steps of each kind.
 What it leaves out or differs in from a GPU: the host cost of the forward itself (kernel launches of
 an eager step) is inside "forward"; CUDA decode steps replay a graph instead of building attention
 metadata; and on the CPU, freeing the forward's big tensors (page faults, unmapping) lands in
-whichever host component drops them, so compare runs alternately and by medians.
+whichever host component drops them, so compare runs alternately and by medians. On a machine shared
+with other work, --cpu-time times everything with the stepping thread's CPU time instead of wall time,
+so the time other processes hold the core is left out.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ TINY_QWEN3 = {
 # About what the H100's pool holds for Qwen3-0.6B at gpu_memory_utilization 0.9 (~114 KiB of KV a token).
 NUM_BLOCKS = 32768
 # Components that are device work on a GPU; everything else in a step is host work.
-DEVICE_PARTS = ("forward", "logits", "sampler_device")
+DEVICE_PARTS = ("forward", "logits", "sampler_device", "sample_checks")
 PARTS = (
     "host",
     "schedule",
@@ -91,7 +94,14 @@ PARTS = (
     "forward",
     "logits",
     "sampler_device",
+    "sample_checks",
 )
+
+
+# What the components are timed with: wall time, or with --cpu-time the stepping thread's CPU time, which
+# leaves out the time other processes on a shared machine take the core away (the forward runs on this
+# thread too: one OpenMP thread).
+clock = time.perf_counter
 
 
 class StepTimer:
@@ -112,14 +122,15 @@ class StepTimer:
         self._wrap(model, "compute_logits", "logits")
         self._wrap(sampler, "_upload", "sampler_prep")
         self._wrap(runner, "launch", "runner")
+        self._wrap(runner, "sample", "runner_sample")
         runner.sampler = self._timed_call(sampler, "sampler")  # a __call__ cannot be wrapped on the instance
         launch, complete = engine._launch, engine._complete
 
         def timed_launch(previous=None):
             self.current = defaultdict(float)
-            t0 = time.perf_counter()
+            t0 = clock()
             step = launch(previous)
-            self.current["launch"] = time.perf_counter() - t0
+            self.current["launch"] = clock() - t0
             if step is not None:
                 self._by_step[id(step)] = self.current
             self.current = None
@@ -127,9 +138,9 @@ class StepTimer:
 
         def timed_complete(step):
             self.current = record = self._by_step.pop(id(step))
-            t0 = time.perf_counter()
+            t0 = clock()
             outputs = complete(step)
-            record["complete"] = time.perf_counter() - t0
+            record["complete"] = clock() - t0
             self.current = None
             stats = step.stats
             batched, prefill, generated = stats.num_batched_tokens, stats.num_prefill_tokens, stats.num_generated_tokens
@@ -144,9 +155,9 @@ class StepTimer:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_start = time.perf_counter()
+            self._gc_start = clock()
             return
-        seconds = time.perf_counter() - self._gc_start
+        seconds = clock() - self._gc_start
         self.gc_seconds += seconds
         self.gc_full += info["generation"] == 2
         self._add("gc", seconds)
@@ -161,11 +172,11 @@ class StepTimer:
     def _timed_call(self, fn, name: str):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._add(name, time.perf_counter() - t0)
+                self._add(name, clock() - t0)
 
         return timed
 
@@ -174,11 +185,14 @@ def _finish(r: dict, batched: int, prefill: int, generated: int, num_seqs: int) 
     """Milliseconds per component of one step, the host's share derived."""
     r = defaultdict(float, r)
     sampler_device = r["sampler"] - r["sampler_prep"]
+    # ModelRunner.sample beyond the sampler: the check for non-finite logits (a sum over every row's
+    # logits) and the host copies' set-up: tensor work, on a GPU enqueued behind the sampler.
+    sample_checks = r["runner_sample"] - r["sampler"]
     out = {
         "schedule": r["schedule"],
         "metadata": r["metadata"],
         "sampler_prep": r["sampler_prep"],
-        "runner_other": r["runner"] - r["metadata"] - r["forward"] - r["logits"] - r["sampler"],
+        "runner_other": r["runner"] - r["metadata"] - r["forward"] - r["logits"] - r["runner_sample"],
         "engine_launch_other": r["launch"] - r["schedule"] - r["runner"],
         "collect": r["collect"],
         "name_blocks": r["name_blocks"],
@@ -186,9 +200,10 @@ def _finish(r: dict, batched: int, prefill: int, generated: int, num_seqs: int) 
         "forward": r["forward"],
         "logits": r["logits"],
         "sampler_device": sampler_device,
+        "sample_checks": sample_checks,
         "gc": r["gc"],
     }
-    out["host"] = r["launch"] + r["complete"] - r["forward"] - r["logits"] - sampler_device
+    out["host"] = r["launch"] + r["complete"] - r["forward"] - r["logits"] - sampler_device - sample_checks
     row = {k: v * 1e3 for k, v in out.items()}
     row.update(batched=batched, prefill=prefill, generated=generated, num_seqs=num_seqs)
     return row
@@ -288,9 +303,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="W2 runs after one warm-up run")
     parser.add_argument("--sync", action="store_true", help="no async scheduling (on by default, as on CUDA)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions per kind of step")
+    parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU time, not wall time")
     parser.add_argument("--label", default="", help="a name for this run in the JSON line")
     parser.add_argument("--out", default=None, help="append one JSON line of the summary here")
     args = parser.parse_args()
+    if args.cpu_time:
+        global clock
+        clock = time.thread_time
 
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(TINY_QWEN3))
@@ -325,6 +344,7 @@ def main() -> None:
             "totals": totals,
             "runs": args.runs,
             "async_scheduling": not args.sync,
+            "clock": "thread CPU time" if args.cpu_time else "wall",
             "commit": commit,
             "machine": platform.processor() or platform.machine(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),

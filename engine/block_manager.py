@@ -85,6 +85,7 @@ class BlockManager:
                 del self.cached_free[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
+        seq.block_table_version += 1
         hit = len(seq.block_table) * self.block_size
         self.prefix_hit_tokens += hit
         return hit
@@ -147,6 +148,7 @@ class BlockManager:
         missing = -(-total // self.block_size) - len(seq.block_table)
         if missing > 0:
             seq.block_table += self._take(missing)
+        seq.block_table_version += 1
         return copies
 
     def take_blocks(self, num_blocks: int) -> list[int]:
@@ -158,6 +160,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent`."""
         child.block_table = list(parent.block_table)
+        child.block_table_version += 1
         child.block_hashes = list(parent.block_hashes)
         for block in child.block_table:
             self.ref_counts[block] += 1
@@ -174,6 +177,7 @@ class BlockManager:
         for block in reversed(seq.block_table[keep:]):
             self._release(block)
         del seq.block_table[keep:]
+        seq.block_table_version += 1
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1

@@ -464,8 +464,10 @@ class LLMEngine:
         for row, item in enumerate(sched.scheduled):
             if not item.samples:
                 continue
-            sampling.append((item.seq, row))
-            sampling += [(child, row) for child in self._fork_children(item.seq, item.num_new_tokens)]
+            seq = item.seq
+            sampling.append((seq, row))
+            if seq.index == 0 and len(seq.request.seqs) != seq.request.params.n:  # an n > 1 parent, not forked
+                sampling += [(child, row) for child in self._fork_children(seq, item.num_new_tokens)]
         drafts = self._step_drafts(sched.scheduled, sampling) if proposed else None
         rows = expand_rows(sampling, drafts) if drafts is not None else sampling  # one per sampled position
         # A constrained row's mask needs every token before the one it samples: when one of them is
@@ -621,11 +623,10 @@ class LLMEngine:
         return outputs
 
     def _fork_children(self, parent: Sequence, num_new_tokens: int) -> list[Sequence]:
-        """The first time an n > 1 request's prompt is complete, its other n - 1 sequences are
-        forked off it: they share every prompt block and sample from the same logits."""
+        """The first time an n > 1 request's prompt is complete (the caller checks that its first sequence,
+        `parent`, has not forked yet), its other n - 1 sequences are forked off it: they share every prompt
+        block and sample from the same logits."""
         request = parent.request
-        if parent.index != 0 or len(request.seqs) == request.params.n:
-            return []
         children = [self._new_sequence(request, index) for index in range(len(request.seqs), request.params.n)]
         self.scheduler.fork(parent, children, num_new_tokens)
         return children

@@ -115,11 +115,15 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
-        # Decodes first (one token each), then prefills already under way, each by priority.
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
-            if seq.status is not SequenceStatus.RUNNING:
+        running = SequenceStatus.RUNNING
+        # Decodes first (one token each), then prefills already under way, each by priority. (This loop
+        # visits every running sequence every step: the uncomputed count and a decode's chunk of one are
+        # worked out inline.)
+        for seq in sorted(self.running, key=lambda s: (len(s.token_ids) - s.num_computed_tokens > 1, s.sort_key)):
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(seq, budget)
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = 1 if uncomputed == 1 and budget > 0 else self._chunk(seq, budget)
             if num_new == 0:
                 continue
             draft = drafts.get(seq.seq_id, ()) if drafts and num_new == 1 else ()
@@ -134,7 +138,7 @@ class Scheduler:
                     self._preempt(victim, out)
                     if victim is seq:
                         break
-                if seq.status is not SequenceStatus.RUNNING:
+                if seq.status is not running:
                     continue
                 out.block_copies += bm.allocate(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new, draft))
@@ -260,6 +264,7 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.block_table = self.block_manager.take_blocks(len(seq.swapped_blocks))
+        seq.block_table_version += 1
         out.swap_in += list(zip(seq.swapped_blocks, seq.block_table))
         self.swap_pool.give_back(seq.swapped_blocks)
         seq.swapped_blocks = []
@@ -349,12 +354,18 @@ class Scheduler:
         next one, in order, until one of them stops it (eos, stop token or string, max_tokens); a speculating
         sequence then gives back the computed tokens (and the blocks) of what was rejected, and the blocks its
         accepted tokens filled go to the prefix cache; `refused` indexes those rows too."""
+        bm = self.block_manager
+        block_size = bm.block_size
+        running = SequenceStatus.RUNNING
         for item, end in zip(plan.scheduled, plan.ends):
             # Not for a sequence preempted (or finished) since: its blocks are gone. Not for a speculating one
-            # yet: its draft's tokens are not verified (below, once it is known what was accepted).
-            if item.seq.status is SequenceStatus.RUNNING and not item.draft:
-                self.block_manager.name_full_blocks(item.seq, end, item.num_new_tokens)
+            # yet: its draft's tokens are not verified (below, once it is known what was accepted). Nor for
+            # one whose step filled no block (most decodes; checked here, saving a call per sequence).
+            if (end - item.num_new_tokens) // block_size != end // block_size:
+                if item.seq.status is running and not item.draft:
+                    bm.name_full_blocks(item.seq, end, item.num_new_tokens)
         now = time.monotonic()
+        finished = SequenceStatus.FINISHED
         touched: dict[str, Request] = {}
         logprobs = logprobs or [None] * len(token_ids)
         if plan.drafts is None:  # one row each, nothing to accept
@@ -364,7 +375,7 @@ class Scheduler:
         row = 0
         for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, drafts, accepted):
             first, row = row, row + len(draft) + 1
-            if seq.is_finished:  # aborted, or stopped by the token before this one
+            if seq.status is finished:  # aborted, or stopped by the token before this one
                 continue
             if first in refused:
                 # The mask left no allowed token (the grammar and min_tokens both banned every one): the
@@ -378,7 +389,7 @@ class Scheduler:
             else:
                 for i in range(num_accepted + 1):
                     self._put_token(seq, slot + i, token_ids[first + i], logprobs[first + i])
-                    if seq.is_finished:
+                    if seq.status is finished:
                         break  # stopped by an accepted token: the rest of the draft is dropped
             if draft:
                 plan.accepted.append((seq, len(draft), num_accepted))
@@ -392,16 +403,20 @@ class Scheduler:
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
-            if seq.is_finished or request.params.output_kind != "final_only":
+            if seq.status is finished or request.params.output_kind != "final_only":
                 touched[request.request_id] = request
         return list(touched.values())
 
     def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a sequence holding `num_tokens` tokens is done by max_tokens or the context length."""
-        max_tokens = seq.request.params.max_tokens
-        return (
-            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
-        ) or num_tokens >= self.max_model_len
+        limit = seq.max_num_tokens
+        if limit is None:  # worked out once: it is asked for every sampled sequence twice a step
+            max_tokens = seq.request.params.max_tokens
+            limit = self.max_model_len
+            if max_tokens is not None:
+                limit = min(limit, seq.num_prompt_tokens + max_tokens)
+            seq.max_num_tokens = limit
+        return num_tokens >= limit
 
     def _put_token(self, seq: Sequence, slot: int, token: int, logprobs: TokenLogprobs | None) -> None:
         """The token sampled for position `slot` of `seq`: replaces its placeholder (or is appended)."""

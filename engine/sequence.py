@@ -47,6 +47,10 @@ class Sequence:
     # draft_model.py). The draft catches up lazily, so this lags num_computed_tokens; it never exceeds it.
     num_draft_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Bumped by every change to block_table (BlockManager, Scheduler._swap_in): block_table_array() converts
+    # the table again only then, not for every sequence every step.
+    block_table_version: int = 0
+    _table_array: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False, compare=False)
     block_hashes: list[bytes] = field(default_factory=list)  # chained names of its full blocks (prefix cache)
     swapped_blocks: list[int] = field(default_factory=list)  # CPU swap-pool blocks, while SWAPPED
     # "stop" | "length" | "abort" | "timeout" (never scheduled in time) | "error" (see Request.error)
@@ -59,10 +63,15 @@ class Sequence:
     num_preemptions: int = 0
     num_pending: int = 0  # trailing token_ids that are PLACEHOLDERs: sampled on the device, not read yet
     embedding: list[float] | None = None  # an embedding request's pooled vector, once its prompt has run
+    # len(request.prompt_token_ids), kept as a field: the scheduler and the runner read it for every
+    # sequence of every step (a request's prompt never changes).
+    num_prompt_tokens: int = field(init=False, default=0)
+    # The length (prompt + output) at which max_tokens or the context length ends it; set by the scheduler
+    # on first use (Scheduler.ends_by_length), which knows the context length.
+    max_num_tokens: int | None = field(init=False, default=None)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -96,6 +105,16 @@ class Sequence:
         if end <= len(prompt):
             return prompt[start:end]
         return np.asarray(self.token_ids[start:end], dtype=np.int64)
+
+    def block_table_array(self) -> np.ndarray:
+        """block_table as an int32 array, made again only after the table changed (a decode changes it
+        once every block_size steps)."""
+        cached = self._table_array
+        # The length as well as the version: a change that forgot its bump and grew or shrank the table
+        # still gets a fresh array.
+        if cached is None or cached[0] != self.block_table_version or len(cached[1]) != len(self.block_table):
+            cached = self._table_array = (self.block_table_version, np.asarray(self.block_table, dtype=np.int32))
+        return cached[1]
 
     # Cached: the scheduler sorts by it every step, and a request's priority and arrival never change.
     @functools.cached_property

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.block_manager import BlockManager
 from engine.llm import frozen_heap
-from engine.runner.step_inputs import new_token_ids
+from engine.runner.step_inputs import block_table_array, new_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Request, Sequence
@@ -83,6 +83,51 @@ def test_fits_own_blocks_only_without_new_or_shared_blocks():
     bm.fork(seq, child)
     assert not bm.fits_own_blocks(seq, 1)  # the block is shared now: copy-on-write first
     assert bm.allocate(seq, 1) != [] and bm.fits_own_blocks(seq, 1)
+
+
+def test_block_table_array_follows_every_change_of_the_table():
+    """The int32 copy a step reads is made again after each change the block manager makes, whether or not
+    the table's length changed, and is reused while nothing changed."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+
+    def check(seq: Sequence) -> None:
+        assert seq.block_table_array().dtype == np.int32
+        assert seq.block_table_array().tolist() == seq.block_table
+
+    parent = _seq(0, list(range(10)))
+    bm.allocate(parent, 10)  # three blocks
+    check(parent)
+    assert parent.block_table_array() is parent.block_table_array()  # unchanged: not converted again
+    parent.num_computed_tokens = 10
+    child = _seq(1, list(range(10)))
+    bm.fork(parent, child)
+    check(child)
+    child.num_computed_tokens = 10
+    before = child.block_table_array().tolist()
+    assert bm.allocate(child, 1)  # its last block is shared: copied on write, same length
+    assert len(child.block_table) == len(before) and child.block_table != before
+    check(child)
+    bm.trim(parent, 4)
+    check(parent)
+    bm.allocate(parent, 4)  # back to two blocks, another second block: same length as before the trim
+    check(parent)
+    bm.free(child)
+    check(child)
+
+
+def test_block_table_array_pads_rows_to_a_multiple_and_fills_a_buffers_corner():
+    tables = [[5, 6, 7], [1], list(range(20, 37))]
+    expected = np.zeros((3, 32), dtype=np.int32)
+    for row, table in enumerate(tables):
+        expected[row, : len(table)] = table
+    for given in (tables, [np.asarray(t, dtype=np.int32) for t in tables]):
+        array = block_table_array(given, multiple=16)
+        assert array.dtype == np.int32 and np.array_equal(array, expected)
+        buffer = np.full((4, 40), 99, dtype=np.int32)
+        assert block_table_array(given, buffer, multiple=16) == 32
+        for row, table in enumerate(tables):
+            assert buffer[row, : len(table)].tolist() == table
+        assert buffer[1, 1] == 99 and buffer[3, 0] == 99  # past a row's length, and past the rows: untouched
 
 
 def test_frozen_heap_restores_the_collector_and_keeps_a_callers_freeze():

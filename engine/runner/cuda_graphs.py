@@ -174,7 +174,7 @@ class DecodeGraphs:
         self,
         token_ids: np.ndarray,
         positions: np.ndarray,
-        tables: list[list[int]],
+        tables: list[list[int]] | list[np.ndarray],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
         num_new: np.ndarray | None = None,
         select: np.ndarray | None = None,

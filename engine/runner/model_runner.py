@@ -294,16 +294,14 @@ class ModelRunner(LoadedModel):
 
     @staticmethod
     def _sampler_rows(sampling: list[tuple[Sequence, int]]) -> list[SamplerRow]:
-        return [
-            SamplerRow(
-                seq.request.params,
-                seq.seed,
-                seq.request.prompt_token_ids,
-                seq.output_token_ids if seq.request.params.reads_output_tokens else [],
-                seq.num_output_tokens,
-            )
-            for seq, _ in sampling
-        ]
+        rows = []
+        for seq, _ in sampling:  # every sampled sequence every step: its attributes read once each
+            request = seq.request
+            params = request.params
+            output = seq.output_token_ids if params.reads_output_tokens else []
+            num_output = len(seq.token_ids) - seq.num_prompt_tokens
+            rows.append(SamplerRow(params, seq.seed, request.prompt_token_ids, output, num_output))
+        return rows
 
     @staticmethod
     def _verify_rows(sampling: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[SamplerRow]:

@@ -22,7 +22,7 @@ class StepInputs:
     token_ids: np.ndarray  # [T] int64 (PLACEHOLDERs zeroed; `fill` supplies them on the device)
     positions: np.ndarray  # [T] int64
     ends: np.ndarray  # [S] index past each sequence's last new token
-    tables: list[list[int]]  # [S] block tables
+    tables: list[np.ndarray]  # [S] block tables, int32 (Sequence.block_table_array)
 
     @property
     def decode_only(self) -> bool:
@@ -59,7 +59,7 @@ def step_inputs(scheduled: list[ScheduledSeq]) -> StepInputs:
     # Positions: each sequence's new tokens continue from its computed ones.
     ends = np.cumsum(num_new)
     positions = np.repeat(num_computed - (ends - num_new), num_new) + np.arange(len(token_ids))
-    return StepInputs(seqs, num_new, token_ids, positions, ends, [s.block_table for s in seqs])
+    return StepInputs(seqs, num_new, token_ids, positions, ends, [s.block_table_array() for s in seqs])
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -91,17 +91,22 @@ def placeholders(
     return upload(dst, device), previous_tokens[upload(src, device)]
 
 
-def block_table_array(tables: list[list[int]], out: np.ndarray | None = None, multiple: int = 16):
+def block_table_array(
+    tables: list[list[int]] | list[np.ndarray], out: np.ndarray | None = None, multiple: int = 16
+) -> np.ndarray | int:
     """Rows of block ids, zero-padded to a common width that is a multiple of `multiple`.
 
     The width is a stride of the attention kernels' block-table argument (AttentionBackend.pad_block_tables
     says why a backend pads it). Without `out`: a new [rows, width] int32 array. With `out` (a
-    [max_rows, max_width] buffer): fills its top-left corner, returns the width.
+    [max_rows, max_width] buffer): fills its top-left corner, returns the width. The tables are put in
+    place in one masked assignment, not a row at a time (256 decode rows a step); given as int32 arrays
+    (Sequence.block_table_array), nothing is converted from Python ints.
     """
-    width = -(-max(len(t) for t in tables) // multiple) * multiple
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    longest = int(lengths.max())
+    width = -(-longest // multiple) * multiple
     array = np.zeros((len(tables), width), dtype=np.int32) if out is None else out
-    for row, table in enumerate(tables):
-        array[row, : len(table)] = table
+    array[: len(tables), :longest][np.arange(longest) < lengths[:, None]] = np.concatenate(tables)
     # In `out`, entries past a row's length keep an earlier step's block ids: harmless, since the
     # kernels that read it (graphs run only graph-capable backends) stop at seq_len.
     return array if out is None else width
@@ -113,7 +118,7 @@ def attention_metadata(
     device: torch.device,
     num_new: list[int] | np.ndarray,
     positions: np.ndarray,
-    tables: list[list[int]],
+    tables: list[list[int]] | list[np.ndarray],
 ) -> AttentionMetadata:
     """The metadata of a step whose sequences compute `num_new` tokens each at `positions` (every new
     token's position, sequence after sequence), planned by `backend`."""
