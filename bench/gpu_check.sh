@@ -61,10 +61,10 @@ for step in "$@"; do
              | tee $OUT/pytest-cuda-quant.log | tail -5
            python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;
     # A/B of the hot path against an earlier tree copied to $AB_BASE (an ignored folder carried with the
-    # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each.
+    # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each; AB_KV=fp8 for the fp8 KV cache.
     ab-w1|ab-w2) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
-             (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton \
+             (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton ${AB_KV:+--kv-cache-dtype $AB_KV} \
                 --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
            done ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
