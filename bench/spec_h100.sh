@@ -81,6 +81,11 @@ install() {   # device: parts -> wheels in $SITE, the model in $MODEL
   # The platform flags name what the wheels were fetched for (the device's python), so a dry run elsewhere installs too.
   rm -rf $SITE && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $PLAT \
     $STAGE/wheels/*.whl || exit 1
+  # The server reads its own version from package metadata (importlib.metadata.version("pagoda")); the tree
+  # travels uninstalled, so its metadata goes into the site beside the wheels.
+  ver=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+  mkdir -p $SITE/pagoda-$ver.dist-info && printf 'Metadata-Version: 2.1\nName: pagoda\nVersion: %s\n' $ver \
+    > $SITE/pagoda-$ver.dist-info/METADATA
   rm -rf $MODEL && mkdir -p "$(dirname $MODEL)"
   PYTHONPATH=$PWD:$SITE $PY -c "import sys; from engine.default_model import import_gguf; import_gguf(sys.argv[1], sys.argv[2])" \
     $STAGE/$GGUF_NAME $MODEL || exit 1
