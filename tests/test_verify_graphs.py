@@ -65,7 +65,7 @@ def eager_logits(runner, token_ids, positions, tables, num_new, select):
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
-    reason="runs the kernels in Triton's interpreter, which is off where a GPU is; the CUDA tests below check the verify graphs",
+    reason="runs the kernels in Triton's interpreter, off where a GPU is (the CUDA tests below cover the layout)",
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_verify_layout_gives_the_eager_verify_steps_logits(arch, tiny_model_dir):
