@@ -1158,7 +1158,7 @@ def mode_profile(args) -> None:
     from engine import SamplingParams
 
     model, prompts, outs = _workload(args.name)
-    llm = _llm(model, args.backend, args.eager)
+    llm = _llm(model, args.backend, args.eager, **_engine_kw(args))
     engine = llm.engine
     for i, (p, n) in enumerate(zip(prompts, outs)):
         engine.add_request(
