@@ -79,17 +79,19 @@ def tiles(m: int, n: int, k: int, group: int) -> Tiles:
 
 def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
     """The decode tl.dot kernel's tiles for m rows: MID_TABLE's entry for (bits, K, N, BLOCK_M), else the rule
-    for shapes not listed: BLOCK_M the next power of two >= m (at least 16), 64 outputs by the largest BLOCK_K
-    up to 128 that divides K and the group, 4 warps, 3 stages, and K split until about two programs per SM
-    stream the weight, each keeping at least four steps of BLOCK_K."""
+    for shapes not listed: BLOCK_M the next power of two >= m (at least 16), 128 outputs by the largest
+    BLOCK_K up to 128 that divides K and the group, 8 warps, 3 stages, the weight as tl.dot's first operand
+    (trans), and K split until about two programs per SM stream the weight, each keeping at least four steps
+    of BLOCK_K. Of the tiles compiled for sm_90 (Triton 3.6 and 3.9), these issue the fewest instructions per
+    weight in the main loop (8.6 to 11.8 at 16 and 64 rows, 4 and 8 bits; bench/quant_sass.py)."""
     bm = max(16, triton.next_power_of_2(m))
     if (bits, k, n, bm) in MID_TABLE:
         return MID_TABLE[(bits, k, n, bm)]
-    bn, bk = 64, _block_k(k, group)
+    bn, bk = 128, _block_k(k, group)
     programs, split = triton.cdiv(n, bn), 1
     while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4:
         split *= 2
-    return MidTiles(bm, bn, bk, split)
+    return MidTiles(bm, bn, bk, split, num_warps=8, trans=True)
 
 
 @triton.jit
@@ -115,6 +117,47 @@ def _split_k_reduce(
 
 
 @triton.jit
+def _as_float(q, z, dtype: tl.constexpr):
+    """Fields q as q - z in `dtype` (z given as 2**23 + z), exactly (|q - z| < 256) and with no int-to-float
+    conversion: each field ORed into the mantissa of 2**23, less 2**23 + z."""
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z).to(dtype)
+
+
+@triton.jit
+def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
+    """[KW, N] words -> [KW * 32 / BITS, N] weights q - z (z [N]): field j of word row kw to row kw * 32 / BITS
+    + j, as a [KW, 32 / BITS, N] tensor folded (the layout the tl.dot operand compiles best from on sm_90)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    w = _as_float((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), z[None, None, :], dtype)
+    return tl.reshape(w, (words.shape[0] * PER_WORD, words.shape[1]))
+
+
+@triton.jit
+def _field(words, j: tl.constexpr, BITS: tl.constexpr, z, dtype: tl.constexpr):
+    return _as_float((words >> (j * BITS)) & ((1 << BITS) - 1), z, dtype)
+
+
+@triton.jit
+def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
+    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]): field j of word kw to column kw * 32 /
+    BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers)."""
+    if BITS == 4:
+        even = tl.interleave(
+            tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 4, BITS, z, dtype)),
+            tl.interleave(_field(words, 2, BITS, z, dtype), _field(words, 6, BITS, z, dtype)),
+        )
+        odd = tl.interleave(
+            tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 5, BITS, z, dtype)),
+            tl.interleave(_field(words, 3, BITS, z, dtype), _field(words, 7, BITS, z, dtype)),
+        )
+    else:
+        even = tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 2, BITS, z, dtype))
+        odd = tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 3, BITS, z, dtype))
+    return tl.interleave(even, odd)
+
+
+@triton.jit
 def _mid_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, sxm, sxk, span, SPLIT, GROUP,
@@ -124,11 +167,14 @@ def _mid_kernel(
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
-    group; a run-time argument: one compiled kernel serves per-channel weights of any K). SCALE_AT_END: the
-    program's whole span lies in one group, so its scale multiplies the sum once."""
+    group; a run-time argument: one compiled kernel serves per-channel weights of any K). Each step loads its
+    [BLOCK_K * BITS / 32, BLOCK_N] words once and unpacks them in registers (loading a word per weight, as
+    the prompt kernel does, costs ~2.5x the instructions per weight on sm_90). SCALE_AT_END: the program's
+    whole span lies in one group, so its scale multiplies the sum once."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_KW: tl.constexpr = BLOCK_K // PER_WORD
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -143,14 +189,14 @@ def _mid_kernel(
         cols = offs_k
         if HAS_PERM:
             cols = tl.load(perm_ptr + offs_k)
+        offs_kw = k0 // PER_WORD + tl.arange(0, BLOCK_KW)
         g = k0 // GROUP
         # 2**23 + z: the field ORed into the mantissa of 2**23, less this, is q - z exactly (both < 2**24).
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) + 8388608.0
         if TRANS:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
-            words = tl.load(qw_ptr + (offs_k // PER_WORD)[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
-            q = (words >> ((offs_k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
-            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[:, None]).to(a.dtype)  # exact: |q - z| < 256
+            words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
+            w = _unpack_k_cols(words, z[:, None], BITS, a.dtype)
             if SCALE_AT_END:
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
             else:
@@ -158,9 +204,8 @@ def _mid_kernel(
                 acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
         else:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
-            words = tl.load(qw_ptr + (offs_k // PER_WORD)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-            q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
-            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - z[None, :]).to(a.dtype)
+            words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+            w = _unpack_k_rows(words, z, BITS, a.dtype)
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
