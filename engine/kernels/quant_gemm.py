@@ -80,10 +80,11 @@ def tiles(m: int, n: int, k: int, group: int) -> Tiles:
 def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
     """The decode tl.dot kernel's tiles for m rows: MID_TABLE's entry for (bits, K, N, BLOCK_M), else the rule
     for shapes not listed: BLOCK_M the next power of two >= m (at least 16), 128 outputs by the largest
-    BLOCK_K up to 128 that divides K and the group, 8 warps, 3 stages, the weight as tl.dot's first operand
-    (trans), and K split until about two programs per SM stream the weight, each keeping at least four steps
-    of BLOCK_K. Of the tiles compiled for sm_90 (Triton 3.6 and 3.9), these issue the fewest instructions per
-    weight in the main loop (8.6 to 11.8 at 16 and 64 rows, 4 and 8 bits; bench/quant_sass.py)."""
+    BLOCK_K up to 128 that divides K and the group, 4 warps up to 32 rows and 8 at 64 (4 spill registers
+    there), 3 stages, the weight as tl.dot's first operand (trans), and K split until about two programs per
+    SM stream the weight, each keeping at least four steps of BLOCK_K. Of the tiles compiled for sm_90 with
+    128 outputs, these issue the fewest instructions per weight in the main loop (bench/quant_sass.py, Triton
+    3.6: 7.7 to 9.0 at 16 and 32 rows, 10.8 to 10.9 at 64)."""
     bm = max(16, triton.next_power_of_2(m))
     if (bits, k, n, bm) in MID_TABLE:
         return MID_TABLE[(bits, k, n, bm)]
@@ -91,7 +92,7 @@ def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> Mi
     programs, split = triton.cdiv(n, bn), 1
     while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4:
         split *= 2
-    return MidTiles(bm, bn, bk, split, num_warps=8, trans=True)
+    return MidTiles(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8, trans=True)
 
 
 @triton.jit
