@@ -238,6 +238,10 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n} m={m}: relative error {err}"
                 timed[config] = _time(partial(weight_only_matmul, x, *args, config=config, counters=counters))
+            if not timed:
+                _emit(out, {"sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "failed": failed},
+                      f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
+                continue
             best = min(timed, key=timed.get)
             wb = w.to(dtype)
             gemv1 = gemv_tiles(bits, n, k, sms)
@@ -269,7 +273,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
         _emit(out, summary, f"mid w{bits} layer at m={m}: bf16 {totals['bf16']:.1f} us, prompt kernel "
                             f"{totals['prompt']:.1f}, default {totals['default']:.1f}, best {totals['best']:.1f}, "
                             f"GEMV at m=1 {totals['gemv1']:.1f} (best / GEMV m=1 = "
-                            f"{totals['best'] / totals['gemv1']:.2f}x)")  # fmt: skip
+                            f"{totals['best'] / totals['gemv1']:.2f}x; shapes that failed count 0)")  # fmt: skip
     print("MID_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
     return entries
 

@@ -663,7 +663,7 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
         for m in (3, 16, 33, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = (x @ wd).float()
-            for config in [None, *mid_candidates(m, n, k, w.group_size)[::7]]:  # the sweep checks all it times
+            for config in [None, *mid_candidates(m, n, k, w.group_size)[::25]]:  # the sweep checks all it times
                 out = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 assert (out - ref).norm() / ref.norm() < 1e-2, (k, n, m, config)
                 assert not counters.any(), config
