@@ -401,7 +401,7 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     args = (pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
     counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
     h100 = mid_tiles(4, 16, n_full, k, 128, num_sms=132)  # K split to about two programs per SM
-    assert h100.split == {6144: 8, 4096: 8 if k == 4096 else 16, 28672: 2}[n_full]
+    assert h100.split == {6144: 16, 4096: 16, 28672: 4}[n_full]
     for config in (h100, MidTiles(16, 128, 128, 16, num_warps=8, num_stages=4, trans=True)):
         out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
@@ -419,7 +419,8 @@ def test_split_k_covers_decode_batches():
     # A decode batch splits K to fill the GPU, one program covering all its rows.
     assert [mid_tiles(4, m, 4096, 4096, 128, num_sms=132).block_m for m in (3, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
     assert mid_tiles(4, 64, 4096, 4096, 128, num_sms=132).split == 8  # 32 slices of N; four steps of K each
-    assert mid_tiles(4, 16, 28672, 4096, 128, num_sms=132).split == 2  # 224 slices
+    assert mid_tiles(4, 16, 28672, 4096, 128, num_sms=132).split == 4  # 112 slices of 256
+    assert mid_tiles(4, 16, 4096, 14336, 128, num_sms=132).split == 16  # at most: the last program reads all
     assert tiles(256, 4096, 4096, 128).split == 1
     assert gemv_tiles(4, 4096, 4096, num_sms=132).split > 1  # 64 slices of N alone leave SMs idle
     assert gemv_tiles(4, 28672, 4096, num_sms=132).split == 1
@@ -514,7 +515,7 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
 def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
     """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
     ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
-    7.7 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
+    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
     the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
     pytest.importorskip("triton")
     import os
@@ -536,7 +537,7 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     cost, mma, tiles = done.stdout.split(" ", 2)
-    assert float(cost) < 13, (tiles, cost)
+    assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
     assert int(mma) > 0  # the product is on the tensor cores
 
 

@@ -79,20 +79,21 @@ def tiles(m: int, n: int, k: int, group: int) -> Tiles:
 
 def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
     """The decode tl.dot kernel's tiles for m rows: MID_TABLE's entry for (bits, K, N, BLOCK_M), else the rule
-    for shapes not listed: BLOCK_M the next power of two >= m (at least 16), 128 outputs by the largest
-    BLOCK_K up to 128 that divides K and the group, 4 warps up to 32 rows and 8 at 64 (4 spill registers
-    there), 3 stages, the weight as tl.dot's first operand (trans), and K split until about two programs per
-    SM stream the weight, each keeping at least four steps of BLOCK_K. Of the tiles compiled for sm_90 with
-    128 outputs, these issue the fewest instructions per weight in the main loop (bench/quant_sass.py, Triton
-    3.6: 7.7 to 9.0 at 16 and 32 rows, 10.8 to 10.9 at 64)."""
+    for shapes not listed: BLOCK_M the next power of two >= m (at least 16); up to 32 rows 256 outputs by
+    BLOCK_K up to 64 on 4 warps, at 64 rows 128 outputs by BLOCK_K up to 128 on 8 warps (BLOCK_K the largest
+    that divides K and the group); 3 stages; the weight as tl.dot's first operand (trans); K split (at most 16
+    ways: the last program reads every partial) until about two programs per SM stream the weight, each
+    keeping at least four steps. Of the tiles compiled for sm_90, these issue the fewest instructions per
+    weight in the main loop without spilling (bench/quant_sass.py, Triton 3.6, 4 and 8 bits: 5.9 to 7.0 up to
+    32 rows, where the unpacked weight goes to shared memory in 16-byte stores; 10.8 to 10.9 at 64)."""
     bm = max(16, triton.next_power_of_2(m))
     if (bits, k, n, bm) in MID_TABLE:
         return MID_TABLE[(bits, k, n, bm)]
-    bn, bk = 128, _block_k(k, group)
+    bn, bk, warps = (256, _block_k(k, group, cap=64), 4) if bm <= 32 else (128, _block_k(k, group), 8)
     programs, split = triton.cdiv(n, bn), 1
-    while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4:
+    while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4 and split < 16:
         split *= 2
-    return MidTiles(bm, bn, bk, split, num_warps=4 if bm <= 32 else 8, trans=True)
+    return MidTiles(bm, bn, bk, split, num_warps=warps, trans=True)
 
 
 @triton.jit

@@ -90,8 +90,8 @@ MID_MAX_M = 64
 
 # (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
 # rows, at least 16), the best of `bench.quant_gpu --sweep mid` on an H100. Empty until that sweep runs: shapes
-# not listed take quant_gemm.mid_tiles' rule (128 outputs, the largest BLOCK_K <= 128 dividing K and the group,
-# 4 warps up to 32 rows and 8 at 64, the weight as first operand, K split until about two programs per SM).
+# not listed take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight
+# as first operand, K split until about two programs per SM).
 MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {}
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
