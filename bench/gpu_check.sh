@@ -43,14 +43,16 @@ for step in "$@"; do
     # quant-kernels: the CUDA quant kernel tests, per-layer times, then the tile sweeps (decode GEMV first, then
     # the activation quantizer and the int8 GEMM), all cut at 8 minutes from the step's start (results so far
     # are printed and in $OUT/quant-gpu.jsonl); quant-sweep the sweeps alone, cut likewise (QUANT_SWEEP="gemv"
-    # or "w8a8": one of them). Compact lines: shape, best tiles, us, GB/s beside the alternatives, and the
-    # entries for engine/kernels/quant_tiles.py.
+    # or "w8a8": one of them; "mid": the decode tl.dot kernel at 16 and 64 rows, which stops its candidates at
+    # its own budget, QUANT_BUDGET seconds, 360 by default, and prints the per-layer totals at 16 and 64 rows).
+    # Compact lines: shape, best tiles, us, GB/s beside the alternatives, and the entries for
+    # engine/kernels/quant_tiles.py.
     quant-kernels) start=$SECONDS
            timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py \
              -k "cuda or kernel or gemv or quantize_rows or scaled_matmul" 2>&1 | tee $OUT/pytest-cuda-quant.log | tail -3
            timeout $((480 - (SECONDS - start))) python3 -m bench.quant_gpu --batch 1 16 64 --sweep \
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
-    quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} \
+    quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400

@@ -364,7 +364,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 64, 256), (8, -1, 256), (4, -1, 256), (4, 128, 192)])
-@pytest.mark.parametrize("m", [1, 3, 8, 37])  # the GEMV, split-K tl.dot tiles, prompt tiles with a ragged edge
+@pytest.mark.parametrize("m", [1, 3, 37, 70])  # the GEMV, the decode tl.dot kernel, prompt tiles with a ragged edge
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m, dtype):
     """Including a short last group: 192 inputs in groups of 128 (SmolLM2's 576 are 4.5 groups of 128)."""
@@ -386,39 +386,159 @@ def test_weight_only_kernel_matches_the_dequantized_reference(bits, group, k, m,
 
 @pytest.mark.parametrize("k, n_full", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
 def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
-    """Batch-1 decode, W4 g128, at Llama-3-8B's real K with the tl.dot tiles an H100 (132 SMs) picks for the
-    layer's full N, large split tl.dot tiles, and the GEMV's tiles for the shape; N is cut to 256 outputs (the
-    interpreter is slow), which changes no program's work."""
+    """Decode, W4 g128, at Llama-3-8B's real K: the decode tl.dot kernel at 16 rows with the tiles an H100
+    (132 SMs) picks for the layer's full N and large split tiles, and the GEMV at one row with the tiles for
+    the shape; N is cut to 256 outputs (the interpreter is slow), which changes no program's work."""
     pytest.importorskip("triton")
-    from engine.kernels.quant_gemm import Tiles, gemv_tiles, tiles, weight_only_matmul
+    from engine.kernels.quant_gemm import gemv_tiles, mid_tiles, weight_only_matmul
+    from engine.kernels.quant_tiles import MidTiles
 
     n = 256
     g = torch.Generator().manual_seed(k + n_full)
     w = quantize_rtn(torch.randn(n, k, generator=g), 4, 128)
-    x = torch.randn(1, k, generator=g).half()
+    x = torch.randn(16, k, generator=g).half()
     ref = x.float() @ w.dequantize().half().float()
-    args = (x.to(DEV), pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
-    h100 = tiles(1, n_full, k, 128, num_sms=132)  # split K but for gate/up (448 programs without)
-    assert h100.split == (1 if n_full == 28672 else 2 if n_full == 6144 else 4)
-    for config in (h100, Tiles(16, 256, 128, 8, num_warps=8, num_stages=4)):
-        out = weight_only_matmul(*args, config=config)
+    args = (pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
+    counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
+    h100 = mid_tiles(4, 16, n_full, k, 128, num_sms=132)  # K split to about two programs per SM
+    assert h100.split == {6144: 16, 4096: 16, 28672: 4}[n_full]
+    for config in (h100, MidTiles(16, 128, 128, 16, num_warps=8, num_stages=4, trans=True)):
+        out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
+        assert not counters.any()
     gemv = gemv_tiles(4, n_full, k, num_sms=132)  # on one slice of outputs: the rest is the same work
-    x, qw, scales, zeros = args[0], args[1][:, : gemv.block_n], args[2][:, : gemv.block_n], args[3][:, : gemv.block_n]
-    out = weight_only_matmul(x, qw.contiguous(), scales.contiguous(), zeros.contiguous(), 4, 128, config=gemv)
-    part = ref[:, : gemv.block_n]
+    qw, scales, zeros = (t[:, : gemv.block_n].contiguous() for t in args[:3])
+    out = weight_only_matmul(x[:1].to(DEV), qw, scales, zeros, 4, 128, config=gemv)
+    part = ref[:1, : gemv.block_n]
     assert (out.cpu().float() - part).norm() / part.norm() < 2e-3, gemv
 
 
 def test_split_k_covers_decode_batches():
-    from engine.kernels.quant_gemm import gemv_tiles, tiles
+    from engine.kernels.quant_gemm import gemv_tiles, mid_tiles, tiles
 
-    assert tiles(8, 4096, 4096, 128, num_sms=132).split > 1  # a decode batch splits K to fill the GPU
-    assert tiles(256, 4096, 4096, 128, num_sms=132).split == 1
+    # A decode batch splits K to fill the GPU, one program covering all its rows.
+    assert [mid_tiles(4, m, 4096, 4096, 128, num_sms=132).block_m for m in (3, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    assert mid_tiles(4, 64, 4096, 4096, 128, num_sms=132).split == 8  # 32 slices of N; four steps of K each
+    assert mid_tiles(4, 16, 28672, 4096, 128, num_sms=132).split == 4  # 112 slices of 256
+    assert mid_tiles(4, 16, 4096, 14336, 128, num_sms=132).split == 16  # at most: the last program reads all
+    assert tiles(256, 4096, 4096, 128).split == 1
     assert gemv_tiles(4, 4096, 4096, num_sms=132).split > 1  # 64 slices of N alone leave SMs idle
     assert gemv_tiles(4, 28672, 4096, num_sms=132).split == 1
     one, four = gemv_tiles(4, 4096, 4096, num_sms=132), gemv_tiles(4, 4096, 4096, num_sms=132, m=4)
     assert four.block_kw == one.block_kw // 2  # four rows' sums in registers: half the words a step
+
+
+@pytest.mark.parametrize(
+    "bits, group, symmetric, act_order",
+    [(4, 32, False, True), (4, 128, True, False), (8, 64, False, False), (8, -1, True, True), (4, -1, False, False)],
+)
+def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmetric, act_order):
+    """The decode tl.dot kernel (one program covers all rows) at 3..64 rows: its default tiles and explicit
+    ones with K split 1, 2 and 3 ways (the last span shorter), either operand order, the scale applied per
+    step and once per program; an act-order layer's inputs read through its permutation. Each launch
+    leaves the layer's counters zeroed, as CUDA graphs replaying it need."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+    from engine.kernels.quant_tiles import MidTiles
+    from engine.layers.linear import WeightOnlyLinear
+
+    k, n = 256, 40  # a ragged last slice of outputs
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // (k if group == -1 else group)
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, group, symmetric, g_idx)
+    layer = WeightOnlyLinear(w, None, torch.float16).to(DEV)
+    assert (layer.perm is not None) == act_order
+    args = (layer.qweight, layer.scales, layer.zeros, bits, w.group_size)
+    bk = 32 if w.group_size % 64 else 64
+    for m in (3, 5, 16, 17, 33, 64):
+        x = torch.randn(m, k, generator=g).half()
+        ref = x.float() @ w.dequantize().half().float()
+        bm = max(16, 1 << (m - 1).bit_length())
+        configs = [
+            None,
+            MidTiles(bm, 32, bk, 3, trans=True),
+            MidTiles(bm, 16, bk, 2),
+            MidTiles(bm, 64, 32, 1, trans=True),
+        ]
+        for config in configs:
+            out = weight_only_matmul(x.to(DEV), *args, config=config, counters=layer.counters, perm=layer.perm)
+            assert out.dtype == torch.float16 and out.shape == (m, n)
+            torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2, msg=f"{m} rows, {config}")
+            assert not layer.counters.any(), config
+
+
+def test_mid_sweep_candidates_are_valid_and_breadth_first():
+    """Every candidate of the H100 sweep tiles its 8B shape; the first ones are all different kernels (a sweep
+    cut by its budget has tried each kind), widest first, in the same order for every shape."""
+    from bench.quant_gpu import SHAPES, mid_candidates
+
+    orders = []
+    for k, n in SHAPES:
+        for m, group in ((16, 128), (64, k)):
+            found = mid_candidates(m, n, k, group)
+            for config in found:
+                config.check(k, group)
+                assert config.block_m == m and k // (config.block_k * config.split) >= 2
+            kernels = [(c.block_n, c.block_k, c.num_warps, c.num_stages, c.trans) for c in found]
+            first = kernels[: len(set(kernels))]
+            assert len(set(first)) == len(first) and {c.trans for c in found} == {False, True}
+            assert first[0][0] == 256 and first[0][4]  # widest, the weight as first operand
+            orders.append(first)
+    assert orders[0] == orders[2]  # 16 rows, groups of 128, K 4096: qkv and o
+
+
+def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
+    """`bench.quant_gpu --sweep mid --dry-run`: the sweep's whole path at tiny shapes (each candidate checked
+    against the reference), a JSON row per shape and rows, a layer total per bits and rows, and MID_TABLE
+    entries that are tiles of the kernel."""
+    pytest.importorskip("triton")
+    from bench.quant_gpu import sweep_mid
+    from engine.kernels.quant_tiles import MidTiles
+
+    out = tmp_path / "mid.jsonl"
+    entries = sweep_mid(out, dry_run=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shapes = [r for r in rows if "best" in r]
+    assert len(shapes) == len(entries) == 8 and all(r["tried"] == 2 for r in shapes)
+    assert sum("layer total" in r["sweep"] for r in rows) == 4
+    for entry, row in zip(entries, shapes):
+        key, tiles = entry.strip().rstrip(",").split(": ", 1)
+        assert eval(key) == (int(row["sweep"][-1]), row["k"], row["n"], row["m"])
+        assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best"], {"MidTiles": MidTiles})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
+def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
+    """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
+    ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
+    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
+    the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
+    # A process of its own: the kernels of this one are the interpreter's (TRITON_INTERPRET=1).
+    code = (
+        "from bench.quant_sass import per_weight; from engine.kernels.quant_gemm import mid_tiles\n"
+        f"tiles = mid_tiles({bits}, {m}, 4096, 4096, 128, num_sms=132)\n"
+        "cost, kernel, ops = per_weight(tiles=tiles, bits=" + str(bits) + ")\n"
+        "print(cost, ops['HMMA'] + ops['HGMMA'], tiles)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cost, mma, tiles = done.stdout.split(" ", 2)
+    assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
+    assert int(mma) > 0  # the product is on the tensor cores
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
@@ -445,18 +565,20 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
             assert not counters.any()
 
 
-def test_decode_gemv_is_exact_in_float32():
-    """float32 in, float32 out: the GEMV's per-group factoring s * (sum q x - z sum x) stays within float32
-    rounding of the dequantized product."""
+@pytest.mark.parametrize("bits, m", [(4, 2), (8, 9)])  # the GEMV, the decode tl.dot kernel
+def test_decode_kernels_are_exact_in_float32(bits, m):
+    """float32 in, float32 out: the GEMV's per-group factoring s * (sum q x - z sum x), and the tl.dot kernel's
+    exact q - z with the scale applied to the step's product, stay within float32 rounding of the dequantized
+    product."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
 
     k, n = 256, 48
     g = torch.Generator().manual_seed(11)
-    w = quantize_rtn(torch.randn(n, k, generator=g), 4, 64, symmetric=False)
-    x = torch.randn(2, k, generator=g)
-    out = weight_only_matmul(x.to(DEV), pack_int32(w.q, 4, 0).to(DEV), w.scales.float().to(DEV),
-                             w.zeros.float().to(DEV), 4, 64)  # fmt: skip
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, 64, symmetric=False)
+    x = torch.randn(m, k, generator=g)
+    out = weight_only_matmul(x.to(DEV), pack_int32(w.q, bits, 0).to(DEV), w.scales.float().to(DEV),
+                             w.zeros.float().to(DEV), bits, 64)  # fmt: skip
     torch.testing.assert_close(out.cpu(), x @ w.dequantize(), atol=1e-4, rtol=1e-5)
 
 
@@ -524,6 +646,28 @@ def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
             out = weight_only_matmul(x, *args, config=config, counters=counters).float()
             assert (out - ref).norm() / ref.norm() < 1e-2, config
             assert not counters.any(), config
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the decode tl.dot kernel at Llama-3-8B shapes)")
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
+def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
+    """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 33 / 64 rows: the default tiles
+    and candidates of the sweep's grid, one counter array shared by all launches as a layer shares it."""
+    from bench.quant_gpu import SHAPES, mid_candidates
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    for k, n in SHAPES:
+        w = quantize_rtn(torch.randn(n, k, device="cuda"), bits, group)
+        args = (pack_int32(w.q, bits, 0), w.scales.bfloat16(), w.zeros.bfloat16(), bits, w.group_size)
+        wd = w.dequantize().to(torch.bfloat16)
+        counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
+        for m in (3, 16, 33, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = (x @ wd).float()
+            for config in [None, *mid_candidates(m, n, k, w.group_size)[::25]]:  # the sweep checks all it times
+                out = weight_only_matmul(x, *args, config=config, counters=counters).float()
+                assert (out - ref).norm() / ref.norm() < 1e-2, (k, n, m, config)
+                assert not counters.any(), config
 
 
 # ----- W8A8 kernels (engine/kernels/w8a8.py) -----

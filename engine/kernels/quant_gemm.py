@@ -4,13 +4,21 @@ The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for ever
 (GPTQ, AWQ, compressed-tensors, int8 at load): int32 words packing 32 / bits consecutive input rows,
 [K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N].
 
-Decode batches of at most GEMV_MAX_M rows (engine/kernels/quant_tiles.py) take a GEMV with no tl.dot: each
-program reads a BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and
-converts them in registers, and accumulates in float32 for every row at once. Where N alone gives too few
-programs to stream the weight at full bandwidth, K is split too, and the last program of a slice to finish adds
-the others' float32 partials (one launch: no memset, no cast). Larger batches use the tl.dot kernel: 16-row
-tiles with split-K into a float32 buffer up to 16 rows, larger M tiles and no split beyond; its tile of BLOCK_K
-rows lies in one group (BLOCK_K divides the group size), so each tile loads one row of scales and zeros.
+Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
+- at most GEMV_MAX_M rows, a GEMV with no tl.dot: each program reads a BLOCK_N-wide slice of the packed words
+  over a range of K, coalesced along N, unpacks and converts them in registers, and accumulates in float32 for
+  every row at once.
+- up to MID_MAX_M rows (decode batches), a tl.dot kernel whose one program covers every row (BLOCK_M = the
+  next power of two >= M, at least 16), so each weight tile is loaded and dequantized once whatever M is. The
+  field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion) and
+  the scale multiplies the product per group step (or once, when a program's K range lies in one group), not
+  each weight. TRANS computes out^T = W^T x^T, the dequantized weight as tl.dot's first operand.
+- prompt-sized batches, a tl.dot kernel tiled over M and N (no split): BLOCK_K rows lie in one group (BLOCK_K
+  divides the group size), so each tile loads one row of scales and zeros.
+
+The GEMV and the decode tl.dot kernel split K where N alone gives too few programs to stream the weight at full
+bandwidth: the last program of an output slice to finish adds the others' float32 partials (_split_k_reduce;
+one launch: no memset, no atomics on the output, no cast), with a per-slice int32 counter it leaves zeroed.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, GemvTiles, Tiles
+from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, MID_MAX_M, MID_TABLE, GemvTiles, MidTiles, Tiles
 
 
 @triton.jit
@@ -30,21 +38,18 @@ def _weight_only_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     M, N, K, sxm, sxk,
     BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Prompt-sized M: program (m, n) computes a BLOCK_M x BLOCK_N tile of the output over all of K."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_span = K // SPLIT_K  # the host makes it a multiple of BLOCK_K
-    for t in range(0, k_span // BLOCK_K):
-        k0 = pid_k * k_span + t * BLOCK_K
+    for k0 in range(0, K, BLOCK_K):  # the host makes K a multiple of BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * sxm + offs_k[None, :] * sxk, mask=mask_m[:, None], other=0.0)
         words = tl.load(qw_ptr + (offs_k // PER_WORD)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
@@ -56,33 +61,169 @@ def _weight_only_kernel(
         w = ((q.to(tl.float32) - zero[None, :]) * scale[None, :]).to(a.dtype)
         acc += tl.dot(a, w, input_precision=PRECISION)
     out = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _block_k(k: int, group: int) -> int:
+def _block_k(k: int, group: int, cap: int = 128) -> int:
     # Dividing both, a tile never straddles groups, even in a short last group (K = 576, groups of 128).
     for bk in (128, 64, 32, 16):
-        if group % bk == 0 and k % bk == 0:
+        if bk <= cap and group % bk == 0 and k % bk == 0:
             return bk
     raise ValueError(f"weight-only matmul needs K ({k}) and the group size ({group}) to be multiples of 16")
 
 
-def tiles(m: int, n: int, k: int, group: int, num_sms: int) -> Tiles:
-    """The tiles for an [m, k] x [k, n] product."""
-    bk = min(_block_k(k, group), 64)
-    if m > 16:
-        return Tiles(64 if m > 32 else 32, 64, bk, 1)
-    bn = 64
-    programs = triton.cdiv(n, bn)
-    split = 1
-    # Split K until about two programs per SM stream the weight, keeping each split whole tiles.
-    while programs * split * 2 < 2 * num_sms and k % (bk * split * 2) == 0 and k // (split * 2) >= 4 * bk:
+def tiles(m: int, n: int, k: int, group: int) -> Tiles:
+    """The prompt kernel's tiles for an [m, k] x [k, n] product."""
+    return Tiles(64 if m > 32 else 32 if m > 16 else 16, 64, _block_k(k, group, cap=64), 1)
+
+
+def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
+    """The decode tl.dot kernel's tiles for m rows: MID_TABLE's entry for (bits, K, N, BLOCK_M), else the rule
+    for shapes not listed: BLOCK_M the next power of two >= m (at least 16); up to 32 rows 256 outputs by
+    BLOCK_K up to 64 on 4 warps, at 64 rows 128 outputs by BLOCK_K up to 128 on 8 warps (BLOCK_K the largest
+    that divides K and the group); 3 stages; the weight as tl.dot's first operand (trans); K split (at most 16
+    ways: the last program reads every partial) until about two programs per SM stream the weight, each
+    keeping at least four steps. Of the tiles compiled for sm_90, these issue the fewest instructions per
+    weight in the main loop without spilling (bench/quant_sass.py, Triton 3.6, 4 and 8 bits: 5.9 to 7.0 up to
+    32 rows, where the unpacked weight goes to shared memory in 16-byte stores; 10.8 to 10.9 at 64)."""
+    bm = max(16, triton.next_power_of_2(m))
+    if (bits, k, n, bm) in MID_TABLE:
+        return MID_TABLE[(bits, k, n, bm)]
+    bn, bk, warps = (256, _block_k(k, group, cap=64), 4) if bm <= 32 else (128, _block_k(k, group), 8)
+    programs, split = triton.cdiv(n, bn), 1
+    while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4 and split < 16:
         split *= 2
-    return Tiles(16, bn, bk, split)
+    return MidTiles(bm, bn, bk, split, num_warps=warps, trans=True)
+
+
+@triton.jit
+def _split_k_reduce(
+    out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """After each of an output slice's SPLIT programs stored its float32 partial rows [BLOCK_M, slice] at
+    part_ptr[pid_k]: the slice's last program to arrive adds the partials [SPLIT, BLOCK_M, N] in split order
+    (the same sum whichever arrives last), writes the output and resets the slice's counter for the next
+    launch. The barrier orders every thread's partial before the release of the counter's increment; the
+    partials are read from L2 (.cg), where the other programs' stores landed."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+    if arrived == SPLIT - 1:
+        rows_m = tl.arange(0, BLOCK_M)
+        mask = (rows_m[:, None] < M) & mask_n[None, :]
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sk in range(0, SPLIT):
+            total += tl.load(part_ptr + (sk * BLOCK_M + rows_m[:, None]) * N + offs_n[None, :], mask=mask,
+                             other=0.0, cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
+def _as_float(q, z, dtype: tl.constexpr):
+    """Fields q as q - z in `dtype` (z given as 2**23 + z), exactly (|q - z| < 256) and with no int-to-float
+    conversion: each field ORed into the mantissa of 2**23, less 2**23 + z."""
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - z).to(dtype)
+
+
+@triton.jit
+def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
+    """[KW, N] words -> [KW * 32 / BITS, N] weights q - z (z [N]): field j of word row kw to row kw * 32 / BITS
+    + j, as a [KW, 32 / BITS, N] tensor folded (the layout the tl.dot operand compiles best from on sm_90)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    w = _as_float((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), z[None, None, :], dtype)
+    return tl.reshape(w, (words.shape[0] * PER_WORD, words.shape[1]))
+
+
+@triton.jit
+def _field(words, j: tl.constexpr, BITS: tl.constexpr, z, dtype: tl.constexpr):
+    return _as_float((words >> (j * BITS)) & ((1 << BITS) - 1), z, dtype)
+
+
+@triton.jit
+def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
+    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]): field j of word kw to column kw * 32 /
+    BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers)."""
+    if BITS == 4:
+        even = tl.interleave(
+            tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 4, BITS, z, dtype)),
+            tl.interleave(_field(words, 2, BITS, z, dtype), _field(words, 6, BITS, z, dtype)),
+        )
+        odd = tl.interleave(
+            tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 5, BITS, z, dtype)),
+            tl.interleave(_field(words, 3, BITS, z, dtype), _field(words, 7, BITS, z, dtype)),
+        )
+    else:
+        even = tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 2, BITS, z, dtype))
+        odd = tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 3, BITS, z, dtype))
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _mid_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, sxm, sxk, span, SPLIT, GROUP,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
+    covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
+    group; a run-time argument: one compiled kernel serves per-channel weights of any K). Each step loads its
+    [BLOCK_K * BITS / 32, BLOCK_N] words once and unpacks them in registers (loading a word per weight, as
+    the prompt kernel does, costs ~2.5x the instructions per weight on sm_90). SCALE_AT_END: the program's
+    whole span lies in one group, so its scale multiplies the sum once."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_KW: tl.constexpr = BLOCK_K // PER_WORD
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if TRANS:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.minimum((pid_k + 1) * span, K)
+    for k0 in range(pid_k * span, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        cols = offs_k
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k)
+        offs_kw = k0 // PER_WORD + tl.arange(0, BLOCK_KW)
+        g = k0 // GROUP
+        # 2**23 + z: the field ORed into the mantissa of 2**23, less this, is q - z exactly (both < 2**24).
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) + 8388608.0
+        if TRANS:
+            a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
+            words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
+            w = _unpack_k_cols(words, z[:, None], BITS, a.dtype)
+            if SCALE_AT_END:
+                acc = tl.dot(w, a, acc, input_precision=PRECISION)
+            else:
+                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
+        else:
+            a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
+            words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+            w = _unpack_k_rows(words, z, BITS, a.dtype)
+            if SCALE_AT_END:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            else:
+                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]
+    if SCALE_AT_END:
+        s = tl.load(s_ptr + (pid_k * span // GROUP) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc * (s[:, None] if TRANS else s[None, :])
+    if TRANS:
+        acc = tl.trans(acc)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -179,21 +320,7 @@ def _gemv_kernel(
         _gemv_out(out_ptr, part_ptr, acc2, 2, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
         _gemv_out(out_ptr, part_ptr, acc3, 3, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
     if SPLIT > 1:
-        # The slice's last program to arrive adds the partials [SPLIT, BLOCK_M, N] in split order (the same
-        # sum whichever arrives last) and resets the slice's counter for the next launch. The barrier
-        # orders every thread's partial before the release of the counter's increment; the partials are
-        # read from L2 (.cg), where the other programs' stores landed.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            rows_m = tl.arange(0, BLOCK_M)
-            mask = (rows_m[:, None] < M) & mask_n[None, :]
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(0, SPLIT):
-                total += tl.load(part_ptr + (sk * BLOCK_M + rows_m[:, None]) * N + offs_n[None, :], mask=mask,
-                                 other=0.0, cache_modifier=".cg")  # fmt: skip
-            tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N)
 
 
 def gemv_tiles(bits: int, n: int, k: int, num_sms: int, m: int = 1) -> GemvTiles:
@@ -228,67 +355,104 @@ def weight_only_matmul(
     zeros: torch.Tensor,
     bits: int,
     group_size: int,
-    config: Tiles | GemvTiles | None = None,
+    config: Tiles | MidTiles | GemvTiles | None = None,
     counters: torch.Tensor | None = None,
     perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype, x's columns taken in `perm`'s
-    order when given (an act-order weight's rows sorted by group: the GEMV reads them so, the tl.dot kernel
-    gets them gathered). `config` overrides the tiles (bench/quant_gpu.py --sweep times candidates):
-    GemvTiles for the GEMV (M <= GEMV_MAX_M unless given), Tiles for the tl.dot kernel. `counters`: zeroed
-    int32, one per GEMV output slice (N / 16 serve every GEMV tile), that a split GEMV leaves zeroed;
-    WeightOnlyLinear owns one so a decode step allocates none."""
+    order when given (an act-order weight's rows sorted by group: the GEMV and the decode tl.dot kernel read
+    them so, the prompt kernel gets them gathered). `config` overrides the tiles (bench/quant_gpu.py --sweep
+    times candidates) and so the kernel: GemvTiles the GEMV, MidTiles the decode tl.dot kernel (M <=
+    block_m), Tiles the prompt kernel. `counters`: zeroed int32, one per output slice of a split kernel (N /
+    16 serve every tile), that a split launch leaves zeroed; WeightOnlyLinear owns one so a decode step
+    allocates none."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
         num_sms = _num_sms(x.device)
-        config = gemv_tiles(bits, n, k, num_sms, m) if 0 < m <= GEMV_MAX_M else tiles(m, n, k, group_size, num_sms)
+        if 0 < m <= GEMV_MAX_M:
+            config = gemv_tiles(bits, n, k, num_sms, m)
+        elif m <= MID_MAX_M:
+            config = mid_tiles(bits, m, n, k, group_size, num_sms)
+        else:
+            config = tiles(m, n, k, group_size)
     if isinstance(config, GemvTiles):
         return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
+    if isinstance(config, MidTiles):
+        return _mid(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
     if perm is not None:
         x = x[:, perm]
     config.check(k, group_size)
-    bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split
-    if split == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.to(x.dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+        return out
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
     _weight_only_kernel[grid](
-        x, qweight, scales, zeros, out,
-        m, n, k, x.stride(0), x.stride(1),
-        BITS=bits, GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x, qweight, scales, zeros, out, m, n, k, x.stride(0), x.stride(1),
+        BITS=bits, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out if split == 1 else out.to(x.dtype)
+    return out
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _split(length: int, step: int, split: int) -> tuple[int, int]:
+    """K's `length` rows cut into at most `split` spans of whole steps: (span, programs), no program left
+    without rows."""
+    span = triton.cdiv(triton.cdiv(length, step), split) * step
+    return span, triton.cdiv(length, span)
+
+
+def _split_buffers(split: int, block_m: int, n: int, slices: int, counters, device) -> tuple[torch.Tensor, ...]:
+    """A split launch's float32 partials [split, block_m, n] (no memset: every element read is written first)
+    and its counters (a fresh zeroed array when none is given); typed placeholders when K is not split."""
+    if split == 1:
+        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+    if counters is None:
+        counters = torch.zeros(slices, dtype=torch.int32, device=device)
+    assert counters.numel() >= slices and counters.dtype == torch.int32
+    return torch.empty((split, block_m, n), dtype=torch.float32, device=device), counters
+
+
+def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters, perm) -> torch.Tensor:
+    """One launch of the decode tl.dot kernel: one program per output slice and span of K covers every row."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    config.check(k, group_size)
+    assert m <= config.block_m, f"{config} covers {config.block_m} rows, not {m}"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    slices = triton.cdiv(n, config.block_n)
+    span, split = _split(k, config.block_k, config.split)
+    part, counters = _split_buffers(split, config.block_m, n, slices, counters, x.device)
+    _mid_kernel[(slices, split)](
+        x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
+        m, n, k, x.stride(0), x.stride(1), span, split, group_size,
+        BITS=bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
+        PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
-    """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer (no memset: every
-    element read is written first)."""
+    """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer."""
     m, k = x.shape
     n = qweight.shape[1]
     kw = qweight.shape[0]
     block_m = triton.next_power_of_2(m)
     assert block_m <= 4, "the GEMV keeps one accumulator per row, four at most"
     slices = triton.cdiv(n, config.block_n)
-    span = triton.cdiv(triton.cdiv(kw, config.split), config.block_kw) * config.block_kw
-    split = triton.cdiv(kw, span)  # no program left without rows
+    span, split = _split(kw, config.block_kw, config.split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:  # nothing to launch (block_m would be 0); only explicit tiles get here with no rows
         return out
-    if split > 1:
-        part = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
-        if counters is None:
-            counters = torch.zeros(slices, dtype=torch.int32, device=x.device)
-        assert counters.numel() >= slices and counters.dtype == torch.int32
-    else:  # unread: typed placeholders
-        part = torch.empty(1, dtype=torch.float32, device=x.device)
-        counters = torch.empty(1, dtype=torch.int32, device=x.device)
+    part, counters = _split_buffers(split, block_m, n, slices, counters, x.device)
     step_k = config.block_kw * 32 // bits
     _gemv_kernel[(slices, split)](
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,

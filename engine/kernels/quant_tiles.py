@@ -1,8 +1,9 @@
 """The tiles of the quantized-linear kernels (engine/kernels/quant_gemm.py, engine/kernels/w8a8.py): one table.
 
-`python -m bench.quant_gpu --sweep` (gpu_check.sh `quant-kernels`) times candidates per Llama-3-8B layer shape,
-each checked against its reference first, and prints the fastest as entries for the tables below; shapes not
-listed use the rules in the kernel modules.
+`python -m bench.quant_gpu --sweep` (gpu_check.sh `quant-kernels`; `QUANT_SWEEP=mid ... quant-sweep` for the
+decode tl.dot kernel alone) times candidates per Llama-3-8B layer shape, each checked against its reference
+first, and prints the fastest as entries for the tables below; shapes not listed use the rules in the kernel
+modules (quant_gemm.gemv_tiles, quant_gemm.mid_tiles, w8a8.w8a8_tiles).
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ class Tiles:
 
     def check(self, k: int, group: int) -> None:
         if group % self.block_k or k % (self.block_k * self.split):
+            raise ValueError(f"{self} does not tile K={k} in groups of {group}")
+
+
+@dataclass(frozen=True)
+class MidTiles(Tiles):
+    """The decode tl.dot kernel (quant_gemm._mid_kernel): one program covers all rows (M <= block_m), BLOCK_N
+    outputs, BLOCK_K inputs a step, K split over at most `split` programs. `trans`: compute out^T = W^T x^T,
+    the dequantized weight as tl.dot's first operand (on sm_90 wgmma reads it from registers)."""
+
+    trans: bool = False
+
+    def check(self, k: int, group: int) -> None:
+        # Any split: the kernel's spans are whole steps, the last one shorter.
+        if group % self.block_k or k % self.block_k or self.block_m < 16:
             raise ValueError(f"{self} does not tile K={k} in groups of {group}")
 
 
@@ -67,6 +82,17 @@ GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
     (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
     (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
 }
+
+# W4A16 / W8A16 decode batches above GEMV_MAX_M and up to MID_MAX_M rows take the decode tl.dot kernel, larger
+# ones the prompt kernel. At these sizes the product is bound by reading the weight (K * N * bits / 8 bytes),
+# as at one row, so one program covers every row and each weight tile is dequantized once.
+MID_MAX_M = 64
+
+# (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
+# rows, at least 16), the best of `bench.quant_gpu --sweep mid` on an H100. Empty until that sweep runs: shapes
+# not listed take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight
+# as first operand, K split until about two programs per SM).
+MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {}
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
 # applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.

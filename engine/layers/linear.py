@@ -74,7 +74,7 @@ class WeightOnlyLinear(nn.Module):
 
     Act-order weights (a g_idx that is not k // group_size) are stored with their rows sorted by group,
     so groups are contiguous for the kernel, and the input's columns are taken in the same order (the
-    decode GEMV reads them through the permutation; larger batches gather them first)."""
+    decode kernels read them through the permutation; prompt-sized batches gather them first)."""
 
     def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -91,7 +91,7 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", weight.scales.to(dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(dtype).contiguous())  # small integers: exact in bf16
         self.register_buffer("perm", perm)
-        # The split decode GEMV's arrival counters, one per slice of 16 outputs (the narrowest GEMV tile):
+        # The split decode kernels' arrival counters, one per slice of 16 outputs (the narrowest tile):
         # zeroed here once, left zeroed by every launch.
         counters = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=q.device)
         self.register_buffer("counters", counters, persistent=False)

@@ -1,0 +1,100 @@
+"""The decode tl.dot kernel (engine/kernels/quant_gemm.py _mid_kernel) compiled for an sm_90 GPU without one:
+Triton's whole pipeline and the ptxas its wheel ships, then the SASS of the main loop counted. At decode sizes
+the kernel is bound by the instructions it issues per weight (unpacking, conversion, the operand's trip through
+shared memory), so the count per weight and thread ranks tiles before a GPU does.
+
+    python -m bench.quant_sass [--bits 4 8] [--rows 16 64] [--arch 90]
+
+Each line: the tiles, the main loop's instructions, per weight per thread, shared memory, top opcodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine.kernels.quant_tiles import MidTiles
+
+_POINTERS = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "perm_ptr", "out_ptr", "part_ptr", "count_ptr")
+_INTS = ("M", "N", "K", "sxm", "sxk", "span", "SPLIT", "GROUP")
+
+
+def compile_mid(bits: int, tiles: MidTiles, scale_at_end: bool = False, arch: int = 90):
+    """The kernel as a bf16 weight-only linear launches it (no act order), compiled for `arch`."""
+    from engine.kernels.quant_gemm import _mid_kernel
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compiling for a GPU needs the kernels Triton JITs: unset TRITON_INTERPRET")
+    ptr = {"qw_ptr": "*i32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    signature = {name: ptr.get(name, "*bf16") for name in _POINTERS} | dict.fromkeys(_INTS, "i32")
+    constexprs = {
+        "BITS": bits, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+        "SCALE_AT_END": scale_at_end, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
+    }  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    # Pointers 16-byte aligned, as torch allocates them.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))}
+    src = ASTSource(_mid_kernel, signature, constexprs, attrs)
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def loop_stats(kernel) -> tuple[int, collections.Counter]:
+    """The largest loop of the kernel's SASS (label to backward branch): its instruction count and opcodes."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        lines = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+    instruction = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+    labels, best = {}, (0, 0, 0)
+    for i, line in enumerate(lines):
+        if found := re.match(r"\s*\.L_x_(\d+):", line):
+            labels[found[1]] = i
+        if (found := re.search(r"BRA `\(\.L_x_(\d+)\)", line)) and labels.get(found[1], i) < i:
+            start = labels[found[1]]
+            best = max(best, (sum(1 for x in lines[start : i + 1] if instruction.match(x)), start, i))
+    _, start, end = best
+    ops = collections.Counter(m[1] for x in lines[start : end + 1] if (m := instruction.match(x)))
+    return best[0], ops
+
+
+def per_weight(bits: int, tiles: MidTiles, arch: int = 90) -> tuple[float, object, collections.Counter]:
+    """Main-loop instructions per weight per thread (a step covers BLOCK_N x BLOCK_K weights), the compiled
+    kernel and the loop's opcodes."""
+    kernel = compile_mid(bits, tiles, arch=arch)
+    count, ops = loop_stats(kernel)
+    return count / (tiles.block_n * tiles.block_k / (32 * tiles.num_warps)), kernel, ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for bits in args.bits:
+        for m in args.rows:
+            for bn, nw in ((64, 4), (128, 8)):
+                for trans in (False, True):
+                    tiles = MidTiles(m, bn, 128, 1, nw, 3, trans)
+                    try:
+                        cost, kernel, ops = per_weight(bits, tiles, args.arch)
+                    except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
+                        print(f"w{bits} {tiles}: failed: {str(e).strip().splitlines()[-1][:120]}")
+                        continue
+                    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                    print(f"w{bits} {tiles}: {cost:5.2f} per weight per thread, smem {kernel.metadata.shared}; {top}")
+
+
+if __name__ == "__main__":
+    main()
