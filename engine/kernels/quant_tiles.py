@@ -89,10 +89,51 @@ GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
 MID_MAX_M = 64
 
 # (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16), the best of `bench.quant_gpu --sweep mid` on an H100. Empty until that sweep runs: shapes
-# not listed take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight
+# rows, at least 16), the best of `bench.quant_gpu --sweep mid` on the H100 at 16 and 64 rows
+# (bench/results/2026-11-26-h100-12a53e2-quant-mid-sweep.jsonl; a W4 layer of the 8B at 16 rows 147.7 us against
+# the rule's 194.9 and bf16's 206.0, at 64 rows 187.9 against 294.8 and 206.4). Shapes not listed (and 17-32
+# rows) take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight
 # as first operand, K split until about two programs per SM).
-MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {}
+MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
+    (4, 4096, 6144, 16): MidTiles(
+        block_m=16, block_n=128, block_k=128, split=6, num_warps=8, num_stages=3, trans=False
+    ),
+    (4, 4096, 4096, 16): MidTiles(
+        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=3, trans=False
+    ),
+    (4, 4096, 28672, 16): MidTiles(
+        block_m=16, block_n=256, block_k=64, split=5, num_warps=4, num_stages=3, trans=False
+    ),
+    (4, 14336, 4096, 16): MidTiles(
+        block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, trans=False
+    ),
+    (4, 4096, 6144, 64): MidTiles(
+        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+    ),
+    (4, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=False),
+    (4, 4096, 28672, 64): MidTiles(
+        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, trans=False
+    ),
+    (4, 14336, 4096, 64): MidTiles(
+        block_m=64, block_n=128, block_k=128, split=8, num_warps=4, num_stages=3, trans=False
+    ),
+    (8, 4096, 6144, 16): MidTiles(
+        block_m=16, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+    ),
+    (8, 4096, 4096, 16): MidTiles(block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 4096, 28672, 16): MidTiles(
+        block_m=16, block_n=256, block_k=128, split=2, num_warps=4, num_stages=3, trans=True
+    ),
+    (8, 14336, 4096, 16): MidTiles(block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 4096, 6144, 64): MidTiles(
+        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+    ),
+    (8, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 4096, 28672, 64): MidTiles(
+        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, trans=False
+    ),
+    (8, 14336, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+}
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
 # applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
