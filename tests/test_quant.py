@@ -390,7 +390,7 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     (132 SMs) picks for the layer's full N and large split tiles, and the GEMV at one row with the tiles for
     the shape; N is cut to 256 outputs (the interpreter is slow), which changes no program's work."""
     pytest.importorskip("triton")
-    from engine.kernels.quant_gemm import gemv_tiles, mid_tiles, weight_only_matmul
+    from engine.kernels.quant_gemm import gemv_tiles, mid_rule, mid_tiles, weight_only_matmul
     from engine.kernels.quant_tiles import MidTiles
 
     n = 256
@@ -400,9 +400,13 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     ref = x.float() @ w.dequantize().half().float()
     args = (pack_int32(w.q, 4, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), 4, 128)
     counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
-    h100 = mid_tiles(4, 16, n_full, k, 128, num_sms=132)  # K split to about two programs per SM
-    assert h100.split == {6144: 16, 4096: 16, 28672: 4}[n_full]
-    for config in (h100, MidTiles(16, 128, 128, 16, num_warps=8, num_stages=4, trans=True)):
+    rule = mid_rule(16, n_full, k, 128, num_sms=132)  # K split to about two programs per SM
+    assert rule.split == {6144: 16, 4096: 16, 28672: 4}[n_full]
+    for config in (
+        mid_tiles(4, 16, n_full, k, 128, num_sms=132),
+        rule,
+        MidTiles(16, 128, 128, 16, num_warps=8, num_stages=4, trans=True),
+    ):
         out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
         assert not counters.any()
@@ -414,13 +418,17 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
 
 
 def test_split_k_covers_decode_batches():
-    from engine.kernels.quant_gemm import gemv_tiles, mid_tiles, tiles
+    from engine.kernels.quant_gemm import gemv_tiles, mid_rule, mid_tiles, tiles
+    from engine.kernels.quant_tiles import MID_TABLE
 
     # A decode batch splits K to fill the GPU, one program covering all its rows.
     assert [mid_tiles(4, m, 4096, 4096, 128, num_sms=132).block_m for m in (3, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
-    assert mid_tiles(4, 64, 4096, 4096, 128, num_sms=132).split == 8  # 32 slices of N; four steps of K each
-    assert mid_tiles(4, 16, 28672, 4096, 128, num_sms=132).split == 4  # 112 slices of 256
-    assert mid_tiles(4, 16, 4096, 14336, 128, num_sms=132).split == 16  # at most: the last program reads all
+    # The rule for shapes MID_TABLE does not list (the 8B's are listed, from the H100 sweep).
+    assert mid_rule(64, 4096, 4096, 128, num_sms=132).split == 8  # 32 slices of N; four steps of K each
+    assert mid_rule(16, 28672, 4096, 128, num_sms=132).split == 4  # 112 slices of 256
+    assert mid_rule(16, 4096, 14336, 128, num_sms=132).split == 16  # at most: the last program reads all
+    assert mid_tiles(4, 16, 4096, 4096, 128, num_sms=132) == MID_TABLE[(4, 4096, 4096, 16)]
+    assert mid_tiles(4, 16, 4096, 4096, 32, num_sms=132).block_k == 32  # the listed K step of 128 straddles groups
     assert tiles(256, 4096, 4096, 128).split == 1
     assert gemv_tiles(4, 4096, 4096, num_sms=132).split > 1  # 64 slices of N alone leave SMs idle
     assert gemv_tiles(4, 28672, 4096, num_sms=132).split == 1

@@ -87,8 +87,12 @@ def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> Mi
     weight in the main loop without spilling (bench/quant_sass.py, Triton 3.6, 4 and 8 bits: 5.9 to 7.0 up to
     32 rows, where the unpacked weight goes to shared memory in 16-byte stores; 10.8 to 10.9 at 64)."""
     bm = max(16, triton.next_power_of_2(m))
-    if (bits, k, n, bm) in MID_TABLE:
-        return MID_TABLE[(bits, k, n, bm)]
+    listed = MID_TABLE.get((bits, k, n, bm))  # swept at one group size: its K step must divide this one's
+    return listed if listed is not None and group % listed.block_k == 0 else mid_rule(bm, n, k, group, num_sms)
+
+
+def mid_rule(bm: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
+    """mid_tiles' rule for a shape MID_TABLE does not list (BLOCK_M bm)."""
     bn, bk, warps = (256, _block_k(k, group, cap=64), 4) if bm <= 32 else (128, _block_k(k, group), 8)
     programs, split = triton.cdiv(n, bn), 1
     while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4 and split < 16:
