@@ -202,6 +202,18 @@ def test_speculation_waits_for_a_measured_decode_step_then_tries_the_modelled_on
     assert timed_speculator(decode_s=0.010, spec_s=0.001, num_seqs=8).drafts(seqs) is None
 
 
+def test_a_new_sequence_starts_from_the_workloads_recent_acceptance():
+    """At the first prior (a = 0.5) a 30 ms speculative step against 10 ms decode steps does not pay for one
+    sequence; after another sequence's drafts were all accepted, a new one starts near its rate and drafts k."""
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.030, num_seqs=1)
+    old, new = decoding_sequences(2)
+    assert speculator.drafts([new]) is None
+    speculator.stats[old.seq_id] = speculator._prior()  # as drafts() makes it for a sequence that speculates
+    for _ in range(10):
+        speculator.observe(old, 4, 4)
+    assert speculator.drafts([new]) == {new.seq_id: [5, 6, 7, 8]}
+
+
 def test_the_step_decision_is_made_once_per_step():
     """speculates() (asked when the engine decides whether to overlap the next step) and the next drafts() are
     one decision: the probe counter moves once."""
