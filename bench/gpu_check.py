@@ -873,7 +873,7 @@ def mode_verify(args) -> None:
     plain = _llm(model, args.backend, args.eager, **common)
     engine = llm.engine
     speculator = engine.speculator
-    speculator.cost_ratio = 0.0  # every draft as long as its room allows ...
+    speculator.speculate_always()  # every draft as long as its room allows ...
     speculator.observe = lambda *a: None  # ... at the prior acceptance estimate, whatever was accepted
     draft_on = {"on": True}
 

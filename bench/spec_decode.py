@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engines = {"plain": LLM(**common), name: LLM(**common, speculative_config=spec)}
     if args.full_k:
-        engines[name].engine.speculator.cost_ratio = 0.0
+        engines[name].engine.speculator.speculate_always()
     tokenizer = engines["plain"].tokenizer
     prompts = [
         tokenizer.apply_chat_template(prompt_of(p, args.task), add_generation_prompt=True)

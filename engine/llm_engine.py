@@ -70,6 +70,18 @@ class _Step:
     stats: StepStats  # what is known at launch; the occupancy is filled in when it completes
 
 
+@dataclass
+class _LaunchTime:
+    """What the speculator's step times (engine/spec_decode/speculator.py) need of a launched step."""
+
+    started: float  # time.perf_counter() when its launch began
+    overlapped: bool  # launched while the step before it still ran
+    speculated: bool  # the speculator chose it to speculate: it runs synchronously, with or without drafts
+    decode_only: bool  # no prompt tokens in it
+    num_seqs: int
+    drafted: int  # draft tokens it verifies
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -145,10 +157,17 @@ class LLMEngine:
                 # parameter counts: quantized and prepacked weights are buffers, not parameters.
                 cost_ratio += self.runner.draft.weight_bytes / self.runner.weight_bytes
             self.speculator = Speculator(config.speculative_config, self.max_model_len, cost_ratio)
+            if not self.speculator.can_pay:
+                log.info(
+                    "speculative decoding is off: a draft token costs c = %.2f of a decode step, so no draft length "
+                    "pays even if every token is accepted; steps stay pipelined and the draft model never runs",
+                    cost_ratio,
+                )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.in_flight: _Step | None = None  # launched, tokens not read yet (async scheduling)
+        self.last_launch: _LaunchTime | None = None  # the latest step launched since the engine was last idle
         # Structured outputs: the forward after in_flight, enqueued before in_flight's tokens are read.
         self.prelaunched: _Step | None = None
         self._grammars: Grammars | None = None  # made on the first constrained request
@@ -384,6 +403,9 @@ class LLMEngine:
         else:
             self.in_flight = self._launch(done) if self._can_overlap(done) else None
         outputs += self._complete(done)
+        if not self.requests:
+            # Idle until the caller brings a request: the next launch's wait is no step's time.
+            self.last_launch = None
         nxt = self.in_flight
         if nxt is not None and nxt.launched.logits is not None:
             # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The
@@ -407,7 +429,7 @@ class LLMEngine:
         log.error("a step failed (%r); failing the requests it held", exc, exc_info=not oom)
         if oom and torch.cuda.is_available():
             torch.cuda.empty_cache()  # what the failed step had taken
-        self.in_flight = self.prelaunched = None
+        self.in_flight = self.prelaunched = self.last_launch = None
         what = "ran out of device memory" if oom else f"failed ({type(exc).__name__})"
         for seq in list(self.scheduler.running):
             if not seq.is_finished:
@@ -436,22 +458,43 @@ class LLMEngine:
         needs the generated tokens themselves on the host, nor around speculation: the next step's drafts
         are proposed from the tokens in flight, and a verify step's computed tokens are only known once its
         drafts are checked."""
-        return (
-            self.config.async_scheduling
-            and not any(s.request.params.reads_output_tokens for s in self.scheduler.running)
-            and (
-                self.speculator is None
-                or (in_flight.plan.drafts is None and not self.speculator.speculates(self.scheduler.running))
-            )
+        return self._pipelines() and (
+            self.speculator is None
+            or (in_flight.plan.drafts is None and not self.speculator.speculates(self.scheduler.running))
         )
+
+    def _pipelines(self) -> bool:
+        """Whether steps overlap when they do not speculate: async scheduling, and no penalty that needs the
+        generated tokens themselves on the host."""
+        return self.config.async_scheduling and not any(
+            s.request.params.reads_output_tokens for s in self.scheduler.running
+        )
+
+    def _time_last_step(self, now: float, overlapped: bool) -> None:
+        """Give the speculator the period of the step launched before this launch (at `now`, `overlapped` or
+        not), when it was decode only: a speculative step's, or a plain step's in the engine's usual mode
+        (pipelined, when it pipelines: the step and its successor launched while their predecessors ran; the
+        first of a run of pipelined steps is launched right after a synchronous one, a short period)."""
+        step = self.last_launch
+        if step is None or not step.decode_only:
+            return
+        if step.speculated:
+            self.speculator.times.add_spec(step.num_seqs, step.drafted, now - step.started)
+        elif step.overlapped == overlapped == self._pipelines():
+            self.speculator.times.add_decode(step.num_seqs, now - step.started)
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:
         """Schedule a step, enqueue it on the device, and let the scheduler count it as launched."""
         bm = self.block_manager
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
-        proposed = self.speculator.drafts(self.scheduler.running) if self.speculator is not None else None
+        started = time.perf_counter()
+        proposed = None
+        if self.speculator is not None:
+            self._time_last_step(started, previous is not None)
+            proposed = self.speculator.drafts(self.scheduler.running)
         sched = self.scheduler.schedule(proposed)
         if sched.is_empty:
+            self.last_launch = None  # idle: the next launch's wait for work is no step's time
             return None
         self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
         draft_probs = None
@@ -496,6 +539,16 @@ class LLMEngine:
             prefix_queried_tokens=bm.prefix_queried_tokens - queried,
             prefix_hit_tokens=bm.prefix_hit_tokens - hits,
         )
+        if self.speculator is not None:
+            drafted = sum(len(d) for d in drafts or ())
+            self.last_launch = _LaunchTime(
+                started,
+                previous is not None,
+                proposed is not None,
+                decode_only=plan.num_prefill_tokens == 0,
+                num_seqs=len(sched.scheduled),
+                drafted=drafted,
+            )
         return _Step(plan, launched, stats)
 
     @staticmethod

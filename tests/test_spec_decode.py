@@ -114,18 +114,12 @@ def test_cost_model_drafts_more_when_acceptance_is_high():
 def test_speculation_turns_off_for_a_low_acceptance_sequence_and_probes_again():
     """The cost model: a sequence whose drafts keep failing stops drafting (k' = 0), and drafts one token
     again after 16 steps without; another, whose drafts hold, keeps the full k."""
-    from engine.sequence import Request, Sequence, SequenceStatus
     from engine.spec_decode.speculator import _PROBE_EVERY, Speculator
 
     config = SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 4})
     speculator = Speculator(config, max_model_len=1024)
-    seqs = []
-    for seq_id in range(2):
-        tokens = [5, 6, 7, 8, 9, 10, 11] * 3
-        request = Request(f"r{seq_id}", None, tokens, SamplingParams(max_tokens=100))
-        seq = Sequence(seq_id, request, 0, 0, list(tokens), status=SequenceStatus.RUNNING)
-        seq.num_computed_tokens = len(tokens) - 1  # decoding: its last token is the one to compute
-        seqs.append(seq)
+    speculator.adaptive = False  # every step speculates: the per-sequence choice alone
+    seqs = decoding_sequences(2)
     failing, holding = seqs
     first = speculator.drafts(seqs)
     assert first[0] == first[1] == [5, 6]  # the prior (a = 0.5) with c = 0.15: k' = 2
@@ -135,6 +129,128 @@ def test_speculation_turns_off_for_a_low_acceptance_sequence_and_probes_again():
     drafts = [speculator.drafts(seqs) for _ in range(_PROBE_EVERY)]
     assert all(d[1] == [5, 6, 7, 8] for d in drafts)
     assert [d.get(0) for d in drafts[:-1]] == [None] * (_PROBE_EVERY - 1) and drafts[-1][0] == [5]
+
+
+def decoding_sequences(count: int) -> list:
+    """`count` running sequences of a repetitive prompt, each decoding (its last token is the one to compute)."""
+    from engine.sequence import Request, Sequence, SequenceStatus
+
+    seqs = []
+    for seq_id in range(count):
+        tokens = [5, 6, 7, 8, 9, 10, 11] * 3
+        request = Request(f"r{seq_id}", None, tokens, SamplingParams(max_tokens=100))
+        seq = Sequence(seq_id, request, 0, 0, list(tokens), status=SequenceStatus.RUNNING)
+        seq.num_computed_tokens = len(tokens) - 1
+        seqs.append(seq)
+    return seqs
+
+
+def timed_speculator(decode_s: float | None, spec_s: float | None, num_seqs: int = 2, drafted: int = 4):
+    """A real Speculator (n-gram, k = 4) whose engine measured these periods of a decode step and of a
+    speculative step of `drafted` tokens over `num_seqs` sequences (None: not measured)."""
+    from engine.spec_decode.speculator import _MIN_MEASURED, Speculator
+
+    speculator = Speculator(SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 4}), max_model_len=1024)
+    for _ in range(_MIN_MEASURED):
+        if decode_s is not None:
+            speculator.times.add_decode(num_seqs, decode_s)
+        if spec_s is not None:
+            speculator.times.add_spec(num_seqs, drafted, spec_s)
+    return speculator
+
+
+def test_a_speculative_step_slower_per_token_than_decode_only_runs_as_a_bounded_probe():
+    """Two sequences at the prior acceptance (k' = 2 each: 3.5 tokens expected) in a measured 30 ms speculative
+    step: 117 tok/s, against 200 tok/s of 10 ms decode steps. Only one step in _PROBE_STEPS speculates, and
+    that probe drafts for every sequence."""
+    from engine.spec_decode.speculator import _PROBE_STEPS
+
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.030)
+    seqs = decoding_sequences(2)
+    steps = [speculator.drafts(seqs) for _ in range(3 * _PROBE_STEPS)]
+    probes = [i for i, d in enumerate(steps) if d is not None]
+    assert probes == [_PROBE_STEPS - 1, 2 * _PROBE_STEPS - 1, 3 * _PROBE_STEPS - 1]
+    assert all(len(steps[i]) == 2 for i in probes)
+
+
+def test_a_speculative_step_faster_per_token_than_decode_speculates_every_step():
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.015)  # 3.5 tokens in 15 ms: 233 tok/s > 200
+    seqs = decoding_sequences(2)
+    assert all(speculator.drafts(seqs) == {0: [5, 6], 1: [5, 6]} for _ in range(100))
+    # The same step time no longer pays once the drafts keep failing: the sequences fall back to k' = 0.
+    for _ in range(10):
+        for seq in seqs:
+            speculator.observe(seq, 2, 0)
+    assert speculator.drafts(seqs) is None
+
+
+def test_speculation_waits_for_a_measured_decode_step_then_tries_the_modelled_one():
+    """No decode step measured: no speculation (nothing to compare with). A decode step measured but no
+    speculative one: the cost model's time, which pays at the prior acceptance, so the step speculates."""
+    from engine.spec_decode.speculator import _MIN_MEASURED
+
+    seqs = decoding_sequences(2)
+    assert timed_speculator(decode_s=None, spec_s=None).drafts(seqs) is None
+    assert timed_speculator(decode_s=None, spec_s=0.001).drafts(seqs) is None
+    assert timed_speculator(decode_s=0.010, spec_s=None).drafts(seqs) == {0: [5, 6], 1: [5, 6]}
+    # One slow speculative step is not enough to go by: the model's time until _MIN_MEASURED are measured.
+    speculator = timed_speculator(decode_s=0.010, spec_s=None)
+    for measured in range(1, _MIN_MEASURED + 1):
+        speculator.times.add_spec(2, 4, 0.030)
+        assert (speculator.drafts(seqs) is None) == (measured == _MIN_MEASURED)
+    # Timings of another batch size bucket (8) say nothing about a step of 2 sequences.
+    assert timed_speculator(decode_s=0.010, spec_s=0.001, num_seqs=8).drafts(seqs) is None
+
+
+def test_a_new_sequence_starts_from_the_workloads_recent_acceptance():
+    """At the first prior (a = 0.5) a 30 ms speculative step against 10 ms decode steps does not pay for one
+    sequence; after another sequence's drafts were all accepted, a new one starts near its rate and drafts k."""
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.030, num_seqs=1)
+    old, new = decoding_sequences(2)
+    assert speculator.drafts([new]) is None
+    speculator.stats[old.seq_id] = speculator._prior()  # as drafts() makes it for a sequence that speculates
+    for _ in range(10):
+        speculator.observe(old, 4, 4)
+    assert speculator.drafts([new]) == {new.seq_id: [5, 6, 7, 8]}
+
+
+def test_the_step_decision_is_made_once_per_step():
+    """speculates() (asked when the engine decides whether to overlap the next step) and the next drafts() are
+    one decision: the probe counter moves once."""
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.030)
+    seqs = decoding_sequences(2)
+    assert not speculator.speculates(seqs) and not speculator.speculates(seqs)
+    assert speculator.drafts(seqs) is None and speculator.declined == 1
+
+
+def test_no_draft_length_pays_at_a_cost_ratio_of_one_so_no_step_speculates():
+    from engine.spec_decode.speculator import _PROBE_STEPS, Speculator
+
+    speculator = Speculator(SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 4}), 1024, cost_ratio=1.05)
+    for _ in range(5):
+        speculator.times.add_decode(2, 0.010)
+        speculator.times.add_spec(2, 4, 0.001)  # even a measured speculative step that seems free: c says no
+    seqs = decoding_sequences(2)
+    assert not speculator.can_pay
+    assert all(speculator.drafts(seqs) is None for _ in range(2 * _PROBE_STEPS))
+
+
+def test_the_engine_times_its_decode_and_speculative_steps_but_not_its_idle_time(tiny_model_dir):
+    """A real engine measures plain decode steps and speculative ones (with their drafts) per batch size
+    bucket, and the wait between two requests (the engine idle) counts as no step's time."""
+    import time
+
+    llm = make(tiny_model_dir("llama"), 3)
+    engine = llm.engine
+    engine.speculator.adaptive = True  # make() speculates always; times are measured either way
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    run(llm, repetitive_prompts(2, seed=4), params)
+    times = engine.speculator.times
+    assert 2 in times.decode and 2 in times.spec  # two decoding sequences: bucket 2
+    assert times.spec[2].count > 0 and times.spec[2].drafted > 0 and times.decode[2].count > 0
+    time.sleep(3.0)  # idle: the next step's period must not include this
+    run(llm, repetitive_prompts(2, seed=5), params)
+    assert max(t.seconds for t in (*times.decode.values(), *times.spec.values())) < 0.5
 
 
 def test_no_drafts_in_a_step_with_more_decoding_sequences_than_the_limit(tiny_model_dir):
@@ -175,7 +291,7 @@ def make(model_dir, k: int | None, batch_limit: int = 64, **kwargs) -> LLM:
         str(model_dir), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, speculative_config=spec, **kwargs
     )
     if llm.engine.speculator is not None:
-        llm.engine.speculator.cost_ratio = 0.0  # always the full k: the most drafts to verify
+        llm.engine.speculator.speculate_always()  # always the full k: the most drafts to verify
     return llm
 
 
@@ -378,7 +494,7 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
     want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
     spec = {**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": 4}
     llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
-    llm.engine.speculator.cost_ratio = 0.0
+    llm.engine.speculator.speculate_always()
     got, stats = run(llm, prompts, params)
     assert got == want and stats.num_drafts > 0
     bm = llm.engine.block_manager
@@ -504,6 +620,17 @@ REPEAT = (
 )
 
 
+def repeat_chat() -> list[dict]:
+    """A chat the default model answers by repeating the text it was given: n-gram drafts are accepted, so
+    speculation pays and the adaptive speculator keeps it on."""
+    text = (
+        "The hacker ethic is the belief that information-sharing is a powerful positive good, and that it is an "
+        "ethical duty of hackers to share their expertise by writing open-source code and facilitating access to "
+        "information and to computing resources wherever possible."
+    )
+    return [{"role": "user", "content": "Repeat the following text exactly:\n\n" + text}]
+
+
 def test_default_model_greedy_equals_no_speculation(default_model_dir):
     prompts = [REPEAT, "List the numbers from 1 to 12, separated by commas: 1, 2, 3,"]
     params = SamplingParams(temperature=0.0, max_tokens=24)
@@ -535,8 +662,12 @@ def test_server_speculates_through_the_openai_sdk(tmp_path, default_server):
         texts = []
         for url in (server.url, default_server.url):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-            stream = client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=32, temperature=0.0, stream=True)
-            deltas = [chunk.choices[0].text for chunk in stream if chunk.choices]
+            stream = client.chat.completions.create(
+                model=MODEL, messages=repeat_chat(), max_tokens=32, temperature=0.0, stream=True
+            )
+            deltas = [
+                chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content
+            ]
             texts.append(("".join(deltas), len(deltas)))
         (spec_text, spec_chunks), (plain_text, plain_chunks) = texts
         assert spec_text == plain_text
@@ -550,7 +681,7 @@ def test_server_speculates_through_the_openai_sdk(tmp_path, default_server):
         # `pagoda bench serve` reports what speculation did during a run from the same counters.
         before = latency.spec_decode_counters(server.url)
         client.base_url = f"{server.url}/v1"
-        client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=32, temperature=0.0)
+        client.chat.completions.create(model=MODEL, messages=repeat_chat(), max_tokens=32, temperature=0.0)
         summary = latency.spec_decode_summary(before, latency.spec_decode_counters(server.url))
         assert summary["drafts"] > 0 and 0 < summary["accepted_tokens"] <= summary["draft_tokens"]
         assert summary["acceptance_rate"] == summary["accepted_tokens"] / summary["draft_tokens"]

@@ -67,7 +67,7 @@ def make(model_dir, draft, k: int | None = None, batch_limit: int = 64, **kwargs
         str(model_dir), dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, speculative_config=spec, **kwargs
     )
     if llm.engine.speculator is not None:
-        llm.engine.speculator.cost_ratio = 0.0  # always the full k: the most drafts to verify
+        llm.engine.speculator.speculate_always()  # always the full k: the most drafts to verify
     return llm
 
 
@@ -255,7 +255,7 @@ def test_greedy_equals_no_speculation_with_async_steps_and_graphs(device, backen
     want, _ = run(LLM(str(model_dir), **kwargs), prompts, params)
     spec = {"model": str(drafts["llama"]), "num_speculative_tokens": 3, "disable_by_batch_size": 4}
     llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
-    llm.engine.speculator.cost_ratio = 0.0
+    llm.engine.speculator.speculate_always()
     got, stats = run(llm, prompts, params)
     assert got == want and stats.num_accepted_tokens > 0
     assert not any(llm.engine.block_manager.ref_counts)
@@ -288,7 +288,7 @@ def test_cuda_draft_decode_graphs_equal_eager_and_no_speculation(arch, tiny_mode
     for draft, eager in ((drafts[arch], True), (drafts[arch], False), (model_dir, False)):
         spec = {"model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 8}
         llm = LLM(str(model_dir), speculative_config=spec, enforce_eager=eager, **kwargs)
-        llm.engine.speculator.cost_ratio = 0.0
+        llm.engine.speculator.speculate_always()
         graphs = llm.engine.runner.draft.graphs
         assert (graphs is None) == eager
         monkeypatch.setattr(
@@ -315,7 +315,7 @@ spec = {"model": sys.argv[2], "num_speculative_tokens": 3, "disable_by_batch_siz
 llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, max_model_len=256,
           max_num_batched_tokens=128, max_prefill_graph_tokens=64, enforce_eager=sys.argv[3] == "eager",
           speculative_config=spec)
-llm.engine.speculator.cost_ratio = 0.0
+llm.engine.speculator.speculate_always()
 prompts = json.loads(sys.argv[4])
 with count_compiles() as compiled:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
@@ -387,7 +387,7 @@ def test_cuda_memory_profile_leaves_room_for_the_drafts_activations(tiny_model_d
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want, _ = run(LLM(str(model_dir), num_gpu_blocks_override=64, **kwargs), prompts, params)
     sized = LLM(str(model_dir), speculative_config=spec, gpu_memory_utilization=0.5, **kwargs)
-    sized.engine.speculator.cost_ratio = 0.0
+    sized.engine.speculator.speculate_always()
     assert sized.engine.runner.draft.graphs is not None
     got, stats = run(sized, prompts, params)
     assert got == want and stats.num_draft_tokens > 0
@@ -585,6 +585,39 @@ def test_the_default_model_drafting_for_itself_is_always_accepted_in_greedy(defa
     got, stats = run(make(default_model_dir, default_model_dir, 4, max_model_len=512), prompts, params)
     assert got == want
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+def test_a_draft_as_costly_as_the_model_never_runs_and_steps_stay_pipelined(tiny_model_dir, caplog):
+    """The model drafting for itself (c >= 1: no draft length can pay): speculation is off for good. Under async
+    scheduling every step is pipelined as without speculation (after each step() the next one is already in
+    flight exactly as often), the draft model runs no forward at all, and the greedy output is the model's."""
+    model_dir = tiny_model_dir("llama")
+    prompts = repetitive_prompts(4, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def pipelining(llm: LLM) -> tuple[list[list[int]], list[bool]]:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        final, in_flight = {}, []
+        while engine.has_unfinished_requests():
+            final |= {out.request_id: out for out in engine.step() if out.finished}
+            in_flight.append(engine.in_flight is not None)
+        return [list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))], in_flight
+
+    kwargs = dict(dtype="float32", device="cpu", cpu_kv_cache_bytes=KV_BYTES, async_scheduling=True)
+    want, plain_in_flight = pipelining(LLM(str(model_dir), **kwargs))
+    with caplog.at_level("INFO", logger="pagoda.engine"):
+        spec = {"model": str(model_dir), "num_speculative_tokens": 4}
+        llm = LLM(str(model_dir), speculative_config=spec, **kwargs)
+    assert "speculative decoding is off" in caplog.text
+    forwards = []
+    llm.engine.runner.draft.model.register_forward_hook(lambda *args: forwards.append(1))
+    got, spec_in_flight = pipelining(llm)
+    assert got == want
+    assert spec_in_flight == plain_in_flight and sum(spec_in_flight) > 10
+    assert not forwards
+    assert llm.engine.last_step.num_drafts == 0 and not llm.engine.speculator.speculates(llm.engine.scheduler.running)
 
 
 def test_bad_drafts_are_refused_in_one_line(tiny_model_dir, default_model_dir, smol_vocab_llama, tmp_path):

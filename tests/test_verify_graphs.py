@@ -140,7 +140,7 @@ def test_cuda_verify_graphs_equal_eager_and_no_speculation(method, arch, tiny_mo
     begin = torch.cuda.CUDAGraph.capture_begin
     for eager in (True, False):
         llm = LLM(str(model_dir), speculative_config=spec, enforce_eager=eager, **kwargs)
-        llm.engine.speculator.cost_ratio = 0.0
+        llm.engine.speculator.speculate_always()
         verify = llm.engine.runner.verify_graphs
         assert (verify is None) == eager
         monkeypatch.setattr(
@@ -173,7 +173,7 @@ def test_cuda_verify_graphs_with_the_default_model(default_model_dir):
     want, _ = run(LLM(str(default_model_dir), **kwargs), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(str(default_model_dir), speculative_config=spec, **kwargs)
-    llm.engine.speculator.cost_ratio = 0.0
+    llm.engine.speculator.speculate_always()
     got, stats, verify_steps = run_counting(llm, prompts, params)
     assert got == want and stats.num_accepted_tokens >= 5
     assert llm.engine.runner.verify_graphs.replays == verify_steps > 0
@@ -188,7 +188,7 @@ spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, max_model_len=256,
           max_num_batched_tokens=128, max_prefill_graph_tokens=64, kv_cache_dtype=sys.argv[2],
           speculative_config=spec)
-llm.engine.speculator.cost_ratio = 0.0
+llm.engine.speculator.speculate_always()
 prompts = json.loads(sys.argv[3])
 captures = []
 begin = torch.cuda.CUDAGraph.capture_begin

@@ -1,22 +1,41 @@
-"""Which sequences speculate how far in a step, and the n-gram drafts they verify (or, with a draft model,
-the room its drafts get: engine/spec_decode/draft_model.py fills it after scheduling).
+"""Which steps speculate, which sequences speculate how far in them, and the n-gram drafts they verify (or,
+with a draft model, the room its drafts get: engine/spec_decode/draft_model.py fills it after scheduling).
 
-Cost model. With a per-token acceptance probability a and k draft tokens, a verify step emits
+Per sequence. With a per-token acceptance probability a and k draft tokens, a verify step emits
 E(a, k) = (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023) and costs (1 + c k) plain
 decode steps, c being the cost of one more scored token per sequence relative to a whole decode step
-(small where a step is bound by reading the weights: batch 1 on a GPU, or a small model on the CPU). Each
-sequence speculates with the k' in 0..k that maximizes E(a, k') / (1 + c k'); k' = 0 (no draft) wins when
-its acceptance is too low to pay for the extra tokens. a is estimated per sequence from its recent drafts:
-accepted tokens / (accepted tokens + rejections), both decayed by 0.9 a draft, from a prior of a = 0.5.
-A sequence held at k' = 0 probes again with one draft token every 16 steps, so a text that turns
-repetitive later is caught (unless no k' > 0 would pay even at a = 1, when c >= 1). A step whose
-decoding sequences are more than disable_by_batch_size does not
-speculate at all: a big batch is compute-bound already, and there c approaches 1.
+(small where a step is bound by reading the weights: batch 1 on a GPU, or a small model on the CPU; plus the
+draft model's share of the weight bytes per draft token). Each sequence speculates with the k' in 0..k that
+maximizes E(a, k') / (1 + c k'); k' = 0 (no draft) wins when its acceptance is too low to pay for the extra
+tokens. a is estimated per sequence from its recent drafts: accepted tokens / (accepted tokens + rejections),
+both decayed by 0.9 a draft, from a prior of the same counts over every sequence's recent drafts (at first
+a = 0.5); an n-gram lookup that finds no match counts as a draft rejected at its first token. A sequence
+held at k' = 0 in a speculative step drafts one token again every 16 such steps, so a text that turns
+repetitive later is caught.
+
+Per step. A speculative step runs synchronously: its drafts need the tokens of the step before on the host,
+so the next step cannot be scheduled while it runs, and with async scheduling (a GPU) that overlap is worth
+10-30% of a small model's step. So whether a step speculates at all is decided from measured times: the
+engine times every step from its launch to the next launch (`StepTimes`, decayed averages per decode batch
+size bucket) for plain decode steps in the engine's usual mode (pipelined where it pipelines) and for
+speculative steps, with their drafted tokens. A step speculates when its expected tokens (E(a_i, k_i) of the
+speculating sequences plus one of every other decoding sequence) per predicted speculative step time beat
+the decoding sequences per measured decode step time. The speculative time is the measured one of the batch
+size's bucket scaled by the cost model's (1 + c d / n) for d drafted tokens over n sequences, or, until
+_MIN_MEASURED are, the decode step's time so scaled (optimistic: it ignores the lost overlap, so the first
+speculative steps run and are measured). Until _MIN_MEASURED decode steps of the bucket are, steps do not
+speculate.
+A step that would not pay speculates anyway once in _PROBE_STEPS such steps (each sequence drafting at
+least one token), which keeps the acceptance estimates and the speculative timing current and bounds what
+probing costs. No step speculates with more than disable_by_batch_size decoding sequences (a big batch is
+compute-bound already, and there c approaches 1), and none at all when no draft length would pay even at
+a = 1 (c >= 1: a draft model about as costly as the model, such as the model drafting for itself): then every
+step stays pipelined and the draft model never runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,12 +43,27 @@ from engine.config import SpeculativeConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode.ngram import ngram_drafts
 
-# c of the cost model, one value for every device for now: measured 0.14 for the default model at batch 1 on
-# the CPU (bench/spec_decode.py, WRITEUP.md). A GPU's weight-bound small batches would give less, and the
-# choice of k' is flat near the optimum, so this errs on the side of shorter drafts there.
+# c of the cost model for n-gram drafts: measured 0.14 for the default model at batch 1 on the CPU
+# (bench/spec_decode.py, WRITEUP.md). It only shapes the draft lengths and the slope of the speculative step
+# time in drafted tokens; whether a step speculates at all rests on the measured step times.
 COST_RATIO = 0.15
-_DECAY = 0.9
-_PROBE_EVERY = 16
+_DECAY = 0.9  # per draft, of a sequence's acceptance counts: about its last 10 drafts
+_PROBE_EVERY = 16  # speculative steps a sequence at k' = 0 waits before it drafts one token again
+# One step in this many that the measured cost model turns down speculates anyway. A probe costs at most about
+# one step's time (a synchronous step whose drafts are rejected), so probing costs under 1/64 < 2% of the
+# throughput, within the 3% that speculation may ever cost; it still notices a turn to repetitive text, or a
+# cheaper speculative step, within 64 steps.
+_PROBE_STEPS = 64
+# Of a step-time average, the weight of what was measured before the latest step: about the last 5 steps,
+# enough to smooth the noise of one step's host work and quick to follow a change of context length.
+_TIME_DECAY = 0.8
+# Steps of a kind measured before their average is trusted: one step's time can be far off (a busy host, a
+# first step of its shape), and a speculative step that looks slow by chance would stop speculation until the
+# next probe.
+_MIN_MEASURED = 3
+# The step decision reads each sequence's k' and E(a, k') from a table over a in steps of 1/256 (numpy per step
+# cost ~100 us on a busy host, a few % of a small model's GPU step); k' is flat near its optimum.
+_RATE_STEPS = 256
 
 
 @dataclass
@@ -38,19 +72,65 @@ class _Acceptance:
 
     accepted: float = 1.0
     rejected: float = 1.0
-    idle: int = 0  # steps it did not speculate in because the cost model said k' = 0
+    idle: int = 0  # speculative steps it did not draft in because the cost model said k' = 0
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
 
+@dataclass
+class _Timing:
+    """Decayed averages over one kind of step of its period (seconds) and of its drafted tokens."""
+
+    seconds: float = 0.0
+    drafted: float = 0.0
+    weight: float = 0.0
+    count: int = 0  # steps measured
+
+    @property
+    def measured(self) -> bool:
+        return self.count >= _MIN_MEASURED
+
+    def add(self, seconds: float, drafted: int) -> None:
+        old = _TIME_DECAY * self.weight
+        self.weight, self.count = old + 1.0, self.count + 1
+        self.seconds = (old * self.seconds + seconds) / self.weight
+        self.drafted = (old * self.drafted + drafted) / self.weight
+
+
+@dataclass
+class StepTimes:
+    """Measured step periods (launch to next launch) of decode-only steps, per decode batch size bucket:
+    plain steps in the engine's usual mode, and speculative steps."""
+
+    decode: dict[int, _Timing] = field(default_factory=dict)
+    spec: dict[int, _Timing] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        """The power of two at or above num_seqs: a decode step's time changes little within a factor of two."""
+        return 1 << max(0, num_seqs - 1).bit_length()
+
+    def add_decode(self, num_seqs: int, seconds: float) -> None:
+        self.decode.setdefault(self.bucket(num_seqs), _Timing()).add(seconds, 0)
+
+    def add_spec(self, num_seqs: int, drafted: int, seconds: float) -> None:
+        self.spec.setdefault(self.bucket(num_seqs), _Timing()).add(seconds, drafted)
+
+
+def expected_tokens(rate: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """E(a, k): the tokens a verify step emits on average for acceptance rate a and k draft tokens."""
+    # Kept off 0: a rate decayed to 1e-16 and below would tie every k in floating point (E = 1), and with c = 0
+    # a longer draft must still win. Off 1: the formula's 0 / 0.
+    a = np.clip(rate, 1e-6, 1.0 - 1e-9)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
 def best_num_tokens(rate: np.ndarray, k: int, cost_ratio: float) -> np.ndarray:
     """Per acceptance rate a, the k' in 0..k maximizing E(a, k') / (1 + c k') (see the module's docstring)."""
     ks = np.arange(k + 1)
-    a = np.clip(rate, 0.0, 1.0 - 1e-9)[:, None]
-    expected = (1.0 - a ** (ks + 1)) / (1.0 - a)
-    return (expected / (1.0 + cost_ratio * ks)).argmax(axis=1)
+    return (expected_tokens(np.asarray(rate)[:, None], ks) / (1.0 + cost_ratio * ks)).argmax(axis=1)
 
 
 class Speculator:
@@ -58,43 +138,54 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.cost_ratio = cost_ratio
-        # No probes when no draft length pays even if every token were accepted (c >= 1: a draft model about
-        # as costly as the model, such as the model drafting for itself).
-        self.probes = best_num_tokens(np.ones(1), config.num_speculative_tokens, cost_ratio)[0] > 0
+        # Off for good when no draft length pays even if every token were accepted (c >= 1).
+        self.can_pay = bool(best_num_tokens(np.ones(1), config.num_speculative_tokens, cost_ratio)[0] > 0)
+        self.adaptive = True  # False: every step that may speculate does (speculate_always)
+        self.times = StepTimes()
+        self.declined = 0  # steps turned down by the measured cost model since the last speculative one
         self.stats: dict[int, _Acceptance] = {}  # seq_id -> its recent drafts (decoding sequences only)
+        # Every sequence's recent drafts together: a new sequence's prior, as a workload's requests resemble
+        # each other (without it, a new sequence of a repetitive workload would start at a = 0.5, which may not
+        # pay, and a sequence that does not draft never learns better).
+        self.overall = _Acceptance()
+        self._table: tuple[float, list[int], list[float]] | None = None  # (c, k', E) per a (_RATE_STEPS)
+        self._decision: bool | None = None  # the coming step's, once speculates() has made it
+        self._probing = False  # the coming step speculates as a probe
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
         self._propose = self._ngram if config.method == "ngram" else self._placeholders
+
+    def speculate_always(self) -> None:
+        """Every step that may speculate does, each sequence with the full k where its room allows (c = 0):
+        for tests and benchmarks that want the most drafts to verify."""
+        self.cost_ratio, self.adaptive = 0.0, False
+        self.can_pay = True
 
     def num_decoding(self, running: list[Sequence]) -> int:
         return sum(s.num_uncomputed_tokens == 1 for s in running)
 
     def speculates(self, running: list[Sequence]) -> bool:
-        """Whether a step over these running sequences may carry drafts (then it runs synchronously)."""
-        return 0 < self.num_decoding(running) <= self.config.disable_by_batch_size
+        """Whether the coming step over these running sequences carries drafts (then it runs synchronously).
+        Decided once per step: the next drafts() call keeps this decision."""
+        if self._decision is None:
+            self._decision = self._decide(running)
+        return self._decision
 
-    def drafts(self, running: list[Sequence]) -> dict[int, list[int]]:
-        """seq_id -> draft tokens, for the decoding sequences that speculate in the coming step."""
-        if not self.speculates(running):
-            return {}
-        # Not a constrained sequence: its grammar matcher cannot take back rejected tokens yet. Not one with
-        # a token still on the device (async scheduling): its history is not known.
-        decoding = [
-            s
-            for s in running
-            if s.status is SequenceStatus.RUNNING
-            and s.num_uncomputed_tokens == 1
-            and s.num_pending == 0
-            and s.matcher is None
-            and s.request.pooling is None
-        ]
-        self.stats = {s.seq_id: self.stats.get(s.seq_id) or _Acceptance() for s in decoding}
+    def drafts(self, running: list[Sequence]) -> dict[int, list[int]] | None:
+        """seq_id -> draft tokens, for the decoding sequences that speculate in the coming step; None when the
+        step does not speculate (a speculating step may still find no draft: {})."""
+        go = self.speculates(running)
+        probing, self._decision, self._probing = self._probing, None, False
+        if not go:
+            return None
+        decoding = [s for s in self._candidates(running) if s.num_pending == 0]
+        self.stats = {s.seq_id: self.stats.get(s.seq_id) or self._prior() for s in decoding}
         stats = [self.stats[s.seq_id] for s in decoding]
         k = best_num_tokens(np.array([st.rate for st in stats]), self.config.num_speculative_tokens, self.cost_ratio)
         for i, st in enumerate(stats):
             if k[i] == 0:
                 st.idle += 1
-                if st.idle >= _PROBE_EVERY and self.probes:
+                if st.idle >= _PROBE_EVERY or probing:
                     k[i], st.idle = 1, 0
         # Room left: the step emits up to k + 1 tokens, which must stay within max_tokens and the context.
         room = np.array(
@@ -111,7 +202,70 @@ class Speculator:
         chosen = np.flatnonzero(k > 0)
         if not len(chosen):
             return {}
-        return self._propose([decoding[i] for i in chosen], k[chosen])
+        seqs = [decoding[i] for i in chosen]
+        proposals = self._propose(seqs, k[chosen])
+        for seq in seqs:
+            if seq.seq_id not in proposals:  # no n-gram match: as good as a draft rejected at once
+                self.observe(seq, 1, 0)
+        return proposals
+
+    @staticmethod
+    def _candidates(running: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences that may draft. Not a constrained sequence: its grammar matcher cannot take
+        back rejected tokens yet. (One with a token still on the device may not draft in this step either,
+        drafts() drops it, but it may in the next: speculates() decides with it in.)"""
+        return [
+            s
+            for s in running
+            if s.status is SequenceStatus.RUNNING
+            and s.num_uncomputed_tokens == 1
+            and s.matcher is None
+            and s.request.pooling is None
+        ]
+
+    def _decide(self, running: list[Sequence]) -> bool:
+        """Whether the coming step speculates: see the module's docstring."""
+        n = self.num_decoding(running)
+        if not self.can_pay or not 0 < n <= self.config.disable_by_batch_size:
+            return False
+        if not self.adaptive:
+            return True
+        if self._pays(n, self._candidates(running)):
+            self.declined = 0
+            return True
+        self.declined += 1
+        if self.declined >= _PROBE_STEPS:
+            self.declined, self._probing = 0, True
+            return True
+        return False
+
+    def _pays(self, n: int, candidates: list[Sequence]) -> bool:
+        """Whether a speculative step over `n` decoding sequences, `candidates` of which may draft, is expected
+        to emit more tokens per second than a plain decode step."""
+        decode = self.times.decode.get(StepTimes.bucket(n))
+        if decode is None or not decode.measured or not candidates:
+            return False
+        if self._table is None or self._table[0] != self.cost_ratio:
+            rates = np.linspace(0.0, 1.0, _RATE_STEPS + 1)
+            k = best_num_tokens(rates, self.config.num_speculative_tokens, self.cost_ratio)
+            self._table = (self.cost_ratio, k.tolist(), expected_tokens(rates, k).tolist())
+        _, table_k, table_e = self._table
+        prior = self.overall.rate
+        tokens, drafted = float(n - len(candidates)), 0
+        for s in candidates:
+            st = self.stats.get(s.seq_id)
+            i = round((st.rate if st is not None else prior) * _RATE_STEPS)
+            tokens += table_e[i]
+            drafted += table_k[i]
+        if drafted == 0:
+            return False
+        spec = self.times.spec.get(StepTimes.bucket(n))
+        if spec is None or not spec.measured:
+            seconds = decode.seconds * (1.0 + self.cost_ratio * drafted / n)
+        else:
+            scale = (1.0 + self.cost_ratio * drafted / n) / (1.0 + self.cost_ratio * spec.drafted / n)
+            seconds = spec.seconds * scale
+        return tokens / seconds > n / decode.seconds
 
     def _ngram(self, seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
         proposals = ngram_drafts(
@@ -127,10 +281,16 @@ class Speculator:
         """k placeholder tokens per sequence, which the draft model replaces after scheduling."""
         return {s.seq_id: [0] * int(n) for s, n in zip(seqs, k)}
 
+    def _prior(self) -> _Acceptance:
+        """A new sequence's acceptance: the workload's recent rate, weighing as much as the first prior (2)."""
+        rate = self.overall.rate
+        return _Acceptance(accepted=2.0 * rate, rejected=2.0 * (1.0 - rate))
+
     def observe(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `seq` was verified: `num_accepted` of its `num_draft` tokens were taken."""
         st = self.stats.get(seq.seq_id)
         if st is None:
             return
-        st.accepted = _DECAY * st.accepted + num_accepted
-        st.rejected = _DECAY * st.rejected + (num_accepted < num_draft)
+        for acc in (st, self.overall):
+            acc.accepted = _DECAY * acc.accepted + num_accepted
+            acc.rejected = _DECAY * acc.rejected + (num_accepted < num_draft)
