@@ -157,8 +157,10 @@ def run_pagoda(model: str, constrained: bool) -> dict:
 def _time_phases(engine) -> dict[str, list[float]]:
     """Wrap the engine's step phases in host timers: {phase: [seconds, calls]}, filled as it runs.
 
-    collect includes the wait for the device (the step's tokens); grammar_fill and grammar_accept are
-    the masks filled and the matchers advanced."""
+    collect includes the wait for the device (the step's tokens); grammar_fill is the masks filled on the
+    engine thread (a step whose constrained rows have no token in flight), grammar_work the matchers
+    advanced and the next masks filled on the grammar thread (inline where no step waits for a mask), and
+    grammar_wait the engine thread's wait for that work."""
     totals: dict[str, list[float]] = {}
 
     def timed(owner, name: str, phase: str) -> None:
@@ -182,7 +184,9 @@ def _time_phases(engine) -> dict[str, list[float]]:
     timed(engine, "_launch", "launch")
     timed(engine.runner, "sample", "sample")
     timed(engine, "_mask", "grammar_fill")
-    timed(engine, "_advance_matchers", "grammar_accept")
+    timed(engine, "_grammar_done", "grammar_wait")
+    if engine._grammars is not None:  # made by the compile before a constrained run
+        timed(engine._grammars, "run", "grammar_work")
     return totals
 
 
