@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,6 +37,12 @@ log = logging.getLogger("pagoda.structured")
 
 # Compiled grammars xgrammar keeps (LRU by bytes): thousands of typical schemas.
 _CACHE_BYTES = 512 << 20
+
+# The GIL switch interval while the grammar thread works. Between xgrammar's calls (which release the
+# GIL) it needs the GIL a few times a step, while the engine thread runs Python without a pause; CPython
+# hands the GIL to a waiting thread only after the switch interval, 5 ms by default: longer than the
+# whole window the work has, so the work would wait for the engine thread to block on its result.
+_SWITCH_INTERVAL_S = 1e-4
 
 # xgrammar's errors begin with a timestamp and the C++ source line: "[03:41:44] /project/cpp/x.cc:820: ".
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -177,7 +184,15 @@ class Grammars:
 
     def start(self, work: GrammarWork) -> Future[GrammarDone]:
         """Run `work` on the grammar thread; the caller must not use its matchers until the result is in."""
-        return self._worker.submit(self.run, work)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _SWITCH_INTERVAL_S))
+        return self._worker.submit(self._run_then_restore, work, interval)
+
+    def _run_then_restore(self, work: GrammarWork, interval: float) -> GrammarDone:
+        try:
+            return self.run(work)
+        finally:
+            sys.setswitchinterval(interval)
 
     def run(self, work: GrammarWork) -> GrammarDone:
         """Do `work` here: in xgrammar's batch calls, and where one raises, one matcher at a time, so that
