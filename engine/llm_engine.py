@@ -643,6 +643,8 @@ class LLMEngine:
                     if token_ids[row] in self.eos_token_ids:
                         seq.matcher = None
         if deferred is not None:
+            # In the deferred step's own row order: it was scheduled before these tokens were read, so its
+            # rows are known now, and the mask needs no per-sequence slots mapped to rows at apply time.
             sampling = deferred.launched.sampling
             work.fills = [(seq, row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
         return (work if work.accepts or work.fills else None), refused
