@@ -1,6 +1,7 @@
 """Host time per engine step with every request under a JSON schema, on the CPU, with a tiny model.
 
-    .venv/bin/python bench/grammar_overlap.py [--runs 2] [--plain] [--cpu-time] [--label NAME] [--out FILE.jsonl]
+    .venv/bin/python bench/grammar_overlap.py [--runs 2] [--plain] [--cpu-time] [--grammar-inline] [--label NAME]
+        [--out FILE.jsonl]
 
 The workload: 256 requests, prompt lengths uniform in [100, 400] and output lengths in [100, 200]
 (bench/throughput.py's ranged_workload, seed 0; ids below 10,000), greedy, ignore_eos, every request held
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a name for this run in the JSON line")
     parser.add_argument("--out", default=None, help="append one JSON line of the summary here")
     parser.add_argument("--cpu-time", action="store_true", help="time with each thread's CPU time, not wall time")
+    parser.add_argument(
+        "--grammar-inline", action="store_true", help="grammar work on the engine thread (grammar_thread_min_rows 0)"
+    )
     args = parser.parse_args()
     if args.cpu_time:
         global clock
@@ -175,6 +179,7 @@ def main() -> None:
             max_num_batched_tokens=8192,
             num_gpu_blocks_override=8192,
             async_scheduling=True,
+            **({"grammar_thread_min_rows": 0} if args.grammar_inline else {}),
         )
         if constraint is not None:
             llm.engine.compile_constraint(SamplingParams(constraint=constraint))  # the grammar thread exists now
@@ -202,6 +207,7 @@ def main() -> None:
             "run_wall_s": walls,
             "runs": args.runs,
             "clock": "thread CPU time (waits: wall)" if args.cpu_time else "wall",
+            "grammar_inline": args.grammar_inline,
             "commit": commit or None,
             "tree": str(ROOT),
             "machine": platform.processor() or platform.machine(),

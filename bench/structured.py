@@ -2,6 +2,7 @@
 
     python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
     python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
+    python bench/structured.py run DIR --engine pagoda --grammar-inline  # the grammar work on the engine thread
     python bench/structured.py run DIR --engine vllm   [--plain]
     python bench/structured.py fills DIR                     # the host cost of a step's grammar work
 
@@ -112,13 +113,19 @@ def workload():
     return ranged_workload(256, 100, 1024, 151936, 0)
 
 
-def run_pagoda(model: str, constrained: bool) -> dict:
+def run_pagoda(model: str, constrained: bool, grammar_inline: bool = False) -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
 
     prompts, outs = workload()
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=4096,
+        **({"grammar_thread_min_rows": 0} if grammar_inline else {}),
+    )
     load_s = time.perf_counter() - t0
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
     extra: dict = {}
@@ -286,6 +293,11 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
+    parser.add_argument(
+        "--grammar-inline",
+        action="store_true",
+        help="pagoda: the grammar work on the engine thread (no grammar thread)",
+    )
     args = parser.parse_args()
     if args.what == "model":
         write_model(Path(args.dir))
@@ -293,8 +305,11 @@ def main() -> None:
     if args.what == "fills":
         print(json.dumps({"what": "fill_costs", **fill_costs(args.dir)}), flush=True)
         return
-    run = run_pagoda if args.engine == "pagoda" else run_vllm
-    row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}
+    if args.engine == "pagoda":
+        result = run_pagoda(args.dir, not args.plain, args.grammar_inline)
+    else:
+        result = run_vllm(args.dir, not args.plain)
+    row = {"workload": "w2", "constrained": not args.plain, "grammar_inline": args.grammar_inline, **result}
     print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
     with out.open("a") as f:

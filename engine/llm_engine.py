@@ -165,8 +165,9 @@ class LLMEngine:
         self.prelaunched: _Step | None = None
         self._grammars: Grammars | None = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
-        # The grammar worker's work of this step() call (engine/structured.py); waited for within the call.
-        self._grammar_job: Future[GrammarDone] | None = None
+        # The grammar work for the deferred step of this step() call (engine/structured.py): running on the
+        # grammar thread (waited for within the call), or done inline.
+        self._grammar: Future[GrammarDone] | GrammarDone | None = None
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()
@@ -402,19 +403,23 @@ class LLMEngine:
         nxt = self.in_flight
         deferred = nxt if nxt is not None and nxt.launched.logits is not None else None
         # With a deferred successor, _complete leaves the grammar work (done's tokens into the matchers,
-        # then deferred's mask) running on the grammar thread.
+        # then deferred's mask) running on the grammar thread, or does it inline (self._grammar).
         outputs += self._complete(done, deferred)
         if deferred is None:
             return
-        # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The step
-        # after it is scheduled while the grammar thread fills the mask, and enqueued right after the
-        # sampling, so the device goes from this sampling straight into it instead of waiting for the
-        # next call to schedule it. Its forward reads the tokens this sampling makes, so it cannot go first.
-        planned = self._schedule() if self._can_overlap(deferred) else None
+        # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The forward
+        # after it is enqueued right after this sampling, so the device goes from the sampling straight
+        # into it instead of waiting for the next call to schedule it. While the grammar thread fills the
+        # mask, that step is scheduled; its forward reads the tokens this sampling makes, so it cannot go
+        # first. Inline, the sampling is enqueued first: scheduling would only hold it back.
+        threaded = isinstance(self._grammar, Future)
+        planned = self._schedule() if threaded and self._can_overlap(deferred) else None
         grammar = self._grammar_done()
         self.runner.sample(deferred.launched, grammar.mask if grammar is not None else None)
         if planned is not None:
             self.prelaunched = self._enqueue(planned, deferred)
+        elif not threaded and self._can_overlap(deferred):
+            self.prelaunched = self._launch(deferred)
         if grammar is not None:
             # Only now: a sequence must not end between its step's scheduling and its enqueueing.
             outputs += self._outputs(self._fail_grammar(grammar.failed))
@@ -424,14 +429,14 @@ class LLMEngine:
         launched after it held those, and their state on the device is unknown), drop the launched steps,
         and report every request that ended. Waiting and swapped requests go on untouched: their KV is
         intact, and a block is named in the prefix cache only after a step that filled it succeeded."""
+        if isinstance(self._grammar, Future):  # it may still be using matchers: it ends before anything else runs
+            wait([self._grammar])
+        self._grammar = None
         self.consecutive_step_failures += 1
         if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFailedError(
                 f"{self.consecutive_step_failures} steps failed in a row, the last with {exc!r}"
             ) from exc
-        if self._grammar_job is not None:  # it may still be using matchers: it ends before anything else runs
-            wait([self._grammar_job])
-            self._grammar_job = None
         oom = isinstance(exc, torch.OutOfMemoryError)
         log.error("a step failed (%r); failing the requests it held", exc, exc_info=not oom)
         if oom and torch.cuda.is_available():
@@ -559,13 +564,16 @@ class LLMEngine:
         """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed.
 
         With `deferred` (the next step, its sampling waiting for its mask), the matchers are advanced and
-        its mask filled on the grammar thread (self._grammar_job), while the scheduler takes the tokens."""
+        its mask filled (self._grammar): on the grammar thread while the scheduler takes the tokens, when
+        there are at least config.grammar_thread_min_rows rows to do."""
         results = self.runner.collect(step.launched)
         failed = self._fail_nonfinite(step.launched, results.token_ids)
         work, refused = self._grammar_work(step.launched, results.token_ids, deferred)
         grammar = None
-        if deferred is not None:
-            self._grammar_job = self._grammars.start(work) if work is not None else None
+        if work is not None and deferred is not None:
+            min_rows = self.config.grammar_thread_min_rows
+            threaded = 0 < min_rows <= max(len(work.accepts), len(work.fills))
+            self._grammar = self._grammars.start(work) if threaded else self._grammars.run(work)
         elif work is not None:  # no step waits for a mask: the matchers are advanced here
             grammar = self._grammars.run(work)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
@@ -650,9 +658,9 @@ class LLMEngine:
         return (work if work.accepts or work.fills else None), refused
 
     def _grammar_done(self) -> GrammarDone | None:
-        """Wait for the grammar thread's work of this step (None if none was started)."""
-        job, self._grammar_job = self._grammar_job, None
-        return job.result() if job is not None else None
+        """The grammar work for the deferred step, once done (None if there was none)."""
+        grammar, self._grammar = self._grammar, None
+        return grammar.result() if isinstance(grammar, Future) else grammar
 
     def _fail_grammar(self, failed: list[tuple[Sequence, str]]) -> list[Request]:
         """End each sequence whose grammar matcher raised with an error (_outputs ends its request); their

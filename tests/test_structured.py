@@ -163,8 +163,9 @@ def test_neighbours_of_constrained_rows_are_unchanged(random_llm):
     assert mixed[1].outputs[0].token_ids == alone
 
 
-def small_llm(random_model_dir, preemption_mode: str = "recompute") -> LLM:
+def small_llm(random_model_dir, preemption_mode: str = "recompute", grammar_thread_min_rows: int = 1) -> LLM:
     # 12 blocks of 16 tokens for 8 requests (10 sequences) of ~40-token prompts: they preempt each other.
+    # The grammar thread takes every step's grammar work (by default only steps of 16 rows or more).
     return make_llm(
         random_model_dir,
         num_gpu_blocks_override=12,
@@ -173,6 +174,7 @@ def small_llm(random_model_dir, preemption_mode: str = "recompute") -> LLM:
         swap_space=0.01,
         async_scheduling=True,
         max_model_len=160,
+        grammar_thread_min_rows=grammar_thread_min_rows,
     )
 
 
@@ -336,12 +338,13 @@ def outputs_of(out) -> list[tuple[list[int], str | None]]:
     return [(o.token_ids, o.finish_reason) for o in out.outputs]
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_grammar_thread_matches_the_synchronous_path(random_model_dir, synchronous_outputs, preemption_mode):
+@pytest.mark.parametrize("preemption_mode, min_rows", [("recompute", 1), ("swap", 1), ("recompute", 0)])
+def test_grammar_thread_matches_the_synchronous_path(random_model_dir, synchronous_outputs, preemption_mode, min_rows):
     """Constrained (n = 2, stop strings, max_tokens) and unconstrained requests in one batch of a small pool,
-    with async scheduling: masks filled on the grammar thread while the engine schedules, preemption, and
-    every output (tokens and finish reason) equal to the request's alone on the synchronous path."""
-    llm = small_llm(random_model_dir, preemption_mode)
+    with async scheduling: masks filled on the grammar thread while the engine schedules (or inline, with
+    grammar_thread_min_rows 0), preemption, and every output (tokens and finish reason) equal to the
+    request's alone on the synchronous path."""
+    llm = small_llm(random_model_dir, preemption_mode, min_rows)
     together = drive(llm, OVERLAP_PROMPTS)
     for rid, out in together.items():
         assert outputs_of(out) == outputs_of(synchronous_outputs[rid]), rid
@@ -357,7 +360,7 @@ def test_grammar_thread_matches_the_synchronous_path(random_model_dir, synchrono
     assert together["r1"].outputs[0].stop_reason == '"tags"'
     assert together["r3"].outputs[0].finish_reason == "length"  # max_tokens mid-match
     assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
-    assert llm.engine.grammars._worker._threads, "the grammar thread never ran"
+    assert bool(llm.engine.grammars._worker._threads) == (min_rows > 0), "the grammar thread ran, or not"
 
 
 def test_abort_of_a_constrained_request_leaves_the_others(random_model_dir, synchronous_outputs):
