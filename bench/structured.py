@@ -164,10 +164,12 @@ def run_pagoda(model: str, constrained: bool, grammar_inline: bool = False) -> d
 def _time_phases(engine) -> dict[str, list[float]]:
     """Wrap the engine's step phases in host timers: {phase: [seconds, calls]}, filled as it runs.
 
-    collect includes the wait for the device (the step's tokens); grammar_fill is the masks filled on the
-    engine thread (a step whose constrained rows have no token in flight), grammar_work the matchers
-    advanced and the next masks filled on the grammar thread (inline where no step waits for a mask), and
-    grammar_wait the engine thread's wait for that work."""
+    collect includes the wait for the device (the step's tokens); launch is schedule + enqueue, and with
+    the grammar thread the step after a deferred one is scheduled and enqueued outside launch (schedule and
+    enqueue count both ways); grammar_fill is the masks filled on the engine thread for a step whose
+    constrained rows have no token in flight; grammar_work the matchers advanced and the next masks filled
+    (on the grammar thread; inline below grammar_thread_min_rows rows or where no step waits for a mask);
+    grammar_wait the engine thread's wait for the grammar thread."""
     totals: dict[str, list[float]] = {}
 
     def timed(owner, name: str, phase: str) -> None:
@@ -188,7 +190,9 @@ def _time_phases(engine) -> dict[str, list[float]]:
     timed(engine, "_complete", "complete")
     timed(engine.runner, "collect", "collect")
     timed(engine.scheduler, "update", "scheduler_update")
-    timed(engine, "_launch", "launch")
+    timed(engine, "_launch", "launch")  # _schedule + _enqueue; with the grammar thread the two come apart:
+    timed(engine, "_schedule", "schedule")
+    timed(engine, "_enqueue", "enqueue")
     timed(engine.runner, "sample", "sample")
     timed(engine, "_mask", "grammar_fill")
     timed(engine, "_grammar_done", "grammar_wait")
