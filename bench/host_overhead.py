@@ -136,10 +136,10 @@ class StepTimer:
             self.current = None
             return step
 
-        def timed_complete(step):
+        def timed_complete(step, *args):
             self.current = record = self._by_step.pop(id(step))
             t0 = clock()
-            outputs = complete(step)
+            outputs = complete(step, *args)
             record["complete"] = clock() - t0
             self.current = None
             stats = step.stats

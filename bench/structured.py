@@ -2,6 +2,7 @@
 
     python bench/structured.py model DIR                     # Qwen3-0.6B shape + a 151,643-token tokenizer
     python bench/structured.py run DIR --engine pagoda [--plain]   # a JSON line, appended to $OUT/structured.jsonl
+    python bench/structured.py run DIR --engine pagoda --grammar-inline  # the grammar work on the engine thread
     python bench/structured.py run DIR --engine vllm   [--plain]
     python bench/structured.py fills DIR                     # the host cost of a step's grammar work
 
@@ -112,13 +113,19 @@ def workload():
     return ranged_workload(256, 100, 1024, 151936, 0)
 
 
-def run_pagoda(model: str, constrained: bool) -> dict:
+def run_pagoda(model: str, constrained: bool, grammar_inline: bool = False) -> dict:
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
 
     prompts, outs = workload()
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=4096)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=4096,
+        **({"grammar_thread_min_rows": 0} if grammar_inline else {}),
+    )
     load_s = time.perf_counter() - t0
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
     extra: dict = {}
@@ -157,8 +164,12 @@ def run_pagoda(model: str, constrained: bool) -> dict:
 def _time_phases(engine) -> dict[str, list[float]]:
     """Wrap the engine's step phases in host timers: {phase: [seconds, calls]}, filled as it runs.
 
-    collect includes the wait for the device (the step's tokens); grammar_fill and grammar_accept are
-    the masks filled and the matchers advanced."""
+    collect includes the wait for the device (the step's tokens); launch is schedule + enqueue, and with
+    the grammar thread the step after a deferred one is scheduled and enqueued outside launch (schedule and
+    enqueue count both ways); grammar_fill is the masks filled on the engine thread for a step whose
+    constrained rows have no token in flight; grammar_work the matchers advanced and the next masks filled
+    (on the grammar thread; inline below grammar_thread_min_rows rows or where no step waits for a mask);
+    grammar_wait the engine thread's wait for the grammar thread."""
     totals: dict[str, list[float]] = {}
 
     def timed(owner, name: str, phase: str) -> None:
@@ -179,10 +190,14 @@ def _time_phases(engine) -> dict[str, list[float]]:
     timed(engine, "_complete", "complete")
     timed(engine.runner, "collect", "collect")
     timed(engine.scheduler, "update", "scheduler_update")
-    timed(engine, "_launch", "launch")
+    timed(engine, "_launch", "launch")  # _schedule + _enqueue; with the grammar thread the two come apart:
+    timed(engine, "_schedule", "schedule")
+    timed(engine, "_enqueue", "enqueue")
     timed(engine.runner, "sample", "sample")
     timed(engine, "_mask", "grammar_fill")
-    timed(engine, "_advance_matchers", "grammar_accept")
+    timed(engine, "_grammar_done", "grammar_wait")
+    if engine._grammars is not None:  # made by the compile before a constrained run
+        timed(engine._grammars, "run", "grammar_work")
     return totals
 
 
@@ -282,6 +297,11 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
+    parser.add_argument(
+        "--grammar-inline",
+        action="store_true",
+        help="pagoda: the grammar work on the engine thread (no grammar thread)",
+    )
     args = parser.parse_args()
     if args.what == "model":
         write_model(Path(args.dir))
@@ -289,8 +309,11 @@ def main() -> None:
     if args.what == "fills":
         print(json.dumps({"what": "fill_costs", **fill_costs(args.dir)}), flush=True)
         return
-    run = run_pagoda if args.engine == "pagoda" else run_vllm
-    row = {"workload": "w2", "constrained": not args.plain, **run(args.dir, not args.plain)}
+    if args.engine == "pagoda":
+        result = run_pagoda(args.dir, not args.plain, args.grammar_inline)
+    else:
+        result = run_vllm(args.dir, not args.plain)
+    row = {"workload": "w2", "constrained": not args.plain, "grammar_inline": args.grammar_inline, **result}
     print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
     with out.open("a") as f:

@@ -2,6 +2,7 @@
 # One device call: W2 with a JSON schema on every request, pagoda and vLLM 0.26 in turn, each run in
 # its own process, plus both unconstrained. Rows: $OUT/structured.jsonl.
 #   bash bench/structured.sh [runs...]   default: pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain
+# (pagoda-inline: pagoda under the schema with its grammar work on the engine thread, no grammar thread)
 # The device has no network. vLLM runs need its peer staged and installed first
 # (../shared/peers/vllm_h100.sh stage 1; stage 2 && install), whose site (VB_SITE) also gives pagoda
 # an xgrammar. With XGR_WHEELS=DIR (carried wheels: xgrammar at the version pyproject pins, and what it
@@ -27,6 +28,7 @@ python3 -c "import torch; from importlib.metadata import version; print('torch',
 runs=${*:-pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain}
 for r in $runs; do
   engine=${r%-plain}; flag=; [ "$r" != "$engine" ] && flag=--plain
+  [ "$r" = pagoda-inline ] && engine=pagoda flag=--grammar-inline  # the grammar work on the engine thread
   echo "=== $r $(date +%T)"
   path=$PWD:$PAGODA_SITE; [ "$engine" = vllm ] && path=$PWD:$SITE  # vLLM with its own site's packages
   PYTHONPATH=$path timeout ${RUN_TIMEOUT:-300} python3 bench/structured.py run $MODEL --engine $engine $flag 2>&1 \

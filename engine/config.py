@@ -259,6 +259,13 @@ class EngineConfig:
         "CPU the same cores do both and nothing overlaps",
         default_help="on with CUDA, off on the CPU",
     )
+    grammar_thread_min_rows: int = knob(
+        16,
+        "with async scheduling, a step with at least this many structured-output rows advances their grammar "
+        "matchers and fills the next step's token mask on a thread of its own while the engine schedules; with "
+        "fewer the work is done inline, where it costs less than the hand-over (0: always inline)",
+        min=0,
+    )
     pooling_type: str = knob(
         "last",
         "how embedding requests (/v1/embeddings, LLM.embed) pool the prompt's final hidden states: last (the "

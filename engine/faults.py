@@ -7,8 +7,9 @@ PAGODA_INJECT_FAULTS once, at start-up (a server under test inherits it), or a t
 
 - KIND is where the fault strikes: `step` (a RuntimeError raised by the forward of a step that
   holds a matching request), `oom` (torch.OutOfMemoryError, the same way), `nan` (NaN logits for
-  a matching request's rows; the sampling of the others is untouched) or `detokenize` (the
-  detokenizer of a matching request's sequence raises on its next token).
+  a matching request's rows; the sampling of the others is untouched), `detokenize` (the
+  detokenizer of a matching request's sequence raises on its next token) or `grammar` (the grammar
+  matcher of a matching constrained request's sequence raises when it is advanced by a token).
 - MATCH picks the requests: those whose id contains it (the server's engine ids begin with the
   client's X-Request-Id), or `*` for every request.
 - TIMES is how often the rule fires, 1 by default, or `always`.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 ENV_VAR = "PAGODA_INJECT_FAULTS"
-KINDS = ("step", "oom", "nan", "detokenize")
+KINDS = ("step", "oom", "nan", "detokenize", "grammar")
 
 
 class InjectedFault(RuntimeError):
@@ -90,3 +91,21 @@ class FaultInjector:
 
     def detokenizer_fails(self, request_id: str) -> bool:
         return bool(self._hit("detokenize", [request_id]))
+
+    def grammar_fails(self, request_id: str) -> bool:
+        return bool(self._hit("grammar", [request_id]))
+
+
+class BrokenMatcher:
+    """A `grammar` rule's stand-in for a sequence's xgrammar GrammarMatcher: it fills masks as the real one
+    does, but raises when it is to accept a token. It has no xgrammar handle, so a batch call that holds it
+    raises too, before any matcher has moved (engine/structured.py then goes one matcher at a time)."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
+        return self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def accept_token(self, token_id: int) -> bool:
+        raise InjectedFault("injected fault: the grammar matcher failed")

@@ -7,6 +7,7 @@ import logging
 import random
 import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,18 +15,18 @@ import torch
 
 from engine.block_manager import BlockManager, SwapPool
 from engine.config import EngineConfig
-from engine.faults import FaultInjector
+from engine.faults import BrokenMatcher, FaultInjector
 from engine.loader import ModelLoadError, check_model_files, read_hf_config, resolve_model_dir
 from engine.pooling_params import PoolingParams
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampling_params import InvalidParameter, SamplingParams
-from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler
+from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from engine.spec_decode import Speculator, expand_rows
 from engine.spec_decode.draft_model import check_draft_vocabulary
 from engine.spec_decode.speculator import COST_RATIO
 from engine.stop_strings import StopMatcher
-from engine.structured import Grammars, StepMask
+from engine.structured import GrammarDone, Grammars, GrammarWork, StepMask
 
 log = logging.getLogger("pagoda.engine")
 
@@ -59,6 +60,19 @@ class StepStats:
     num_waiting: int = 0
     num_swapped: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+
+
+@dataclass
+class _Planned:
+    """A scheduled step, not enqueued on the device yet."""
+
+    sched: SchedulerOutput
+    sampling: list[tuple[Sequence, int]]  # (sequence, scheduled row whose logits it samples)
+    drafts: list[list[int]] | None
+    draft_probs: dict[int, torch.Tensor | None] | None
+    prefix_counts: tuple[int, int]  # the block manager's prefix-cache counters before the scheduling
+    started: float  # time.perf_counter() when its scheduling began (the speculator's step timing)
+    proposed: bool  # the speculator chose to speculate in it
 
 
 @dataclass
@@ -172,6 +186,9 @@ class LLMEngine:
         self.prelaunched: _Step | None = None
         self._grammars: Grammars | None = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
+        # The grammar work for the deferred step of this step() call (engine/structured.py): running on the
+        # grammar thread (waited for within the call), or done inline.
+        self._grammar: Future[GrammarDone] | GrammarDone | None = None
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0
         self.faults = FaultInjector.from_env()
@@ -347,6 +364,8 @@ class LLMEngine:
         if self._faults is not None and seq.detokenizer is not None:
             if self._faults.detokenizer_fails(request.request_id):
                 seq.detokenizer.add = _failing_add
+        if self._faults is not None and seq.matcher is not None and self._faults.grammar_fails(request.request_id):
+            seq.matcher = BrokenMatcher(seq.matcher)
         request.seqs.append(seq)
         return seq
 
@@ -402,24 +421,41 @@ class LLMEngine:
             self.in_flight, self.prelaunched = self.prelaunched, None
         else:
             self.in_flight = self._launch(done) if self._can_overlap(done) else None
-        outputs += self._complete(done)
+        nxt = self.in_flight
+        deferred = nxt if nxt is not None and nxt.launched.logits is not None else None
+        # With a deferred successor, _complete leaves the grammar work (done's tokens into the matchers,
+        # then deferred's mask) running on the grammar thread, or does it inline (self._grammar).
+        outputs += self._complete(done, deferred)
         if not self.requests:
             # Idle until the caller brings a request: the next launch's wait is no step's time.
             self.last_launch = None
-        nxt = self.in_flight
-        if nxt is not None and nxt.launched.logits is not None:
-            # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The
-            # forward after it is enqueued at once, so the device goes from this sampling straight into
-            # it instead of waiting for the next call to schedule it.
-            self.runner.sample(nxt.launched, self._mask(nxt.launched.sampling))
-            if self._can_overlap(nxt):
-                self.prelaunched = self._launch(nxt)
+        if deferred is None:
+            return
+        # Its constrained rows' masks needed the tokens just read: its forward ran meanwhile. The forward
+        # after it is enqueued right after this sampling, so the device goes from the sampling straight
+        # into it instead of waiting for the next call to schedule it. While the grammar thread fills the
+        # mask, that step is scheduled; its forward reads the tokens this sampling makes, so it cannot go
+        # first. Inline, the sampling is enqueued first: scheduling would only hold it back.
+        threaded = isinstance(self._grammar, Future)
+        planned = self._schedule(True) if threaded and self._can_overlap(deferred) else None
+        grammar = self._grammar_done()
+        self.runner.sample(deferred.launched, grammar.mask if grammar is not None else None)
+        if planned is not None:
+            self.prelaunched = self._enqueue(planned, deferred)
+        elif not threaded and self._can_overlap(deferred):
+            self.prelaunched = self._launch(deferred)
+        if grammar is not None:
+            # Only now: a sequence must not end between its step's scheduling and its enqueueing.
+            outputs += self._outputs(self._fail_grammar(grammar.failed))
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """After a step raised: fail every request with a running sequence (the failed step and any step
         launched after it held those, and their state on the device is unknown), drop the launched steps,
         and report every request that ended. Waiting and swapped requests go on untouched: their KV is
         intact, and a block is named in the prefix cache only after a step that filled it succeeded."""
+        if isinstance(self._grammar, Future):  # it may still be using matchers: it ends before anything else runs
+            wait([self._grammar])
+        self._grammar = None
         self.consecutive_step_failures += 1
         if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFailedError(
@@ -485,12 +521,19 @@ class LLMEngine:
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:
         """Schedule a step, enqueue it on the device, and let the scheduler count it as launched."""
+        planned = self._schedule(previous is not None)
+        return self._enqueue(planned, previous) if planned is not None else None
+
+    def _schedule(self, overlapped: bool = False) -> _Planned | None:
+        """Schedule a step (None if there is nothing to run): its blocks moved, its drafts proposed, its
+        sampling rows (an n > 1 request forks here) known. No matcher is read: the grammar thread may be
+        running. `overlapped`: the step will be enqueued while its predecessor runs (for the step timing)."""
         bm = self.block_manager
-        queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
+        prefix_counts = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         started = time.perf_counter()
         proposed = None
         if self.speculator is not None:
-            self._time_last_step(started, previous is not None)
+            self._time_last_step(started, overlapped)
             proposed = self.speculator.drafts(self.scheduler.running)
         sched = self.scheduler.schedule(proposed)
         if sched.is_empty:
@@ -512,6 +555,12 @@ class LLMEngine:
             if seq.index == 0 and len(seq.request.seqs) != seq.request.params.n:  # an n > 1 parent, not forked
                 sampling += [(child, row) for child in self._fork_children(seq, item.num_new_tokens)]
         drafts = self._step_drafts(sched.scheduled, sampling) if proposed else None
+        return _Planned(sched, sampling, drafts, draft_probs, prefix_counts, started, proposed is not None)
+
+    def _enqueue(self, planned: _Planned, previous: _Step | None) -> _Step:
+        """Enqueue a scheduled step on the device (its sampling too, unless its mask has to wait for the
+        tokens `previous` is sampling), and let the scheduler count it as launched."""
+        sched, sampling, drafts = planned.sched, planned.sampling, planned.drafts
         rows = expand_rows(sampling, drafts) if drafts is not None else sampling  # one per sampled position
         # A constrained row's mask needs every token before the one it samples: when one of them is
         # still being sampled by the step in flight, the forward is enqueued now and the sampling
@@ -527,9 +576,10 @@ class LLMEngine:
             mask=self._mask(rows) if constrained and not defer else None,
             defer_sampling=defer,
             drafts=drafts,
-            draft_probs=draft_probs,
+            draft_probs=planned.draft_probs,
         )
         plan = self.scheduler.launched(sched, sampling, drafts)
+        bm, (queried, hits) = self.block_manager, planned.prefix_counts
         stats = StepStats(
             num_batched_tokens=sched.num_batched_tokens,
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -542,9 +592,9 @@ class LLMEngine:
         if self.speculator is not None:
             drafted = sum(len(d) for d in drafts or ())
             self.last_launch = _LaunchTime(
-                started,
+                planned.started,
                 previous is not None,
-                proposed is not None,
+                planned.proposed,
                 decode_only=plan.num_prefill_tokens == 0,
                 num_seqs=len(sched.scheduled),
                 drafted=drafted,
@@ -565,18 +615,37 @@ class LLMEngine:
         rows = [(row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
         return self._grammars.fill(rows)
 
-    def _complete(self, step: _Step) -> list[RequestOutput]:
-        """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed."""
+    def _complete(self, step: _Step, deferred: _Step | None = None) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them to the scheduler; outputs of the requests they changed.
+
+        With `deferred` (the next step, its sampling waiting for its mask), the matchers are advanced and
+        its mask filled (self._grammar): on the grammar thread while the scheduler takes the tokens, when
+        there are at least config.grammar_thread_min_rows rows to do."""
         results = self.runner.collect(step.launched)
         failed = self._fail_nonfinite(step.launched, results.token_ids)
-        refused = self._advance_matchers(step.launched, results.token_ids)
+        work, refused = self._grammar_work(step.launched, results.token_ids, deferred)
+        grammar = None
+        if work is not None and deferred is not None:
+            min_rows = self.config.grammar_thread_min_rows
+            threaded = 0 < min_rows <= max(len(work.accepts), len(work.fills))
+            self._grammar = self._grammars.start(work) if threaded else self._grammars.run(work)
+        elif work is not None:  # no step waits for a mask: the matchers are advanced here
+            grammar = self._grammars.run(work)
         touched = self.scheduler.update(step.plan, results.token_ids, results.logprobs, refused)
+        if grammar is not None:
+            touched += self._fail_grammar(grammar.failed)
         if step.plan.drafts is not None:
             self._count_speculation(step.plan, step.stats)
         touched += self._finish_pooled(step.launched)
+        outputs = self._outputs(failed + touched)
+        self.last_step = self._with_occupancy(step.stats)
+        return outputs
+
+    def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """The outputs of requests a step changed (one may come twice); those that ended are let go."""
         now = time.monotonic()
         outputs = []
-        for request in failed + touched:
+        for request in requests:
             if request.error is not None:
                 if request.request_id not in self.requests:
                     continue  # reported already (in `failed`, then in `touched`)
@@ -587,7 +656,6 @@ class LLMEngine:
             elif request.params.output_kind == "final_only":
                 continue
             outputs.append(RequestOutput.of(request))
-        self.last_step = self._with_occupancy(step.stats)
         return outputs
 
     def _fail_nonfinite(self, launched: LaunchedStep, token_ids: list[int]) -> list[Request]:
@@ -618,22 +686,49 @@ class LLMEngine:
         stats.num_generated_tokens += stats.num_accepted_tokens
         stats.num_accepted_tokens_per_pos = per_pos
 
-    def _advance_matchers(self, launched: LaunchedStep, token_ids: list[int]) -> set[int]:
-        """Advance the matchers of a step's constrained rows by their tokens; the rows whose token their
-        grammar refused (none was allowed: the grammar and min_tokens both banned every one), which the
-        scheduler ends there. A matcher that took a stop token has terminated and is dropped."""
+    def _grammar_work(
+        self, launched: LaunchedStep, token_ids: list[int], deferred: _Step | None
+    ) -> tuple[GrammarWork | None, set[int]]:
+        """The grammar work after a step's tokens are read: its constrained rows' matchers advanced by their
+        tokens, then `deferred`'s constrained rows' mask filled (None if there is nothing to do); and the
+        rows whose token their grammar refused (none was allowed: the grammar and min_tokens both banned
+        every one), which the scheduler ends there. A matcher that takes a stop token has terminated and
+        is dropped now (the work still advances it: a row of `deferred` no longer needs its mask)."""
         mask = launched.mask
-        if mask is None:
-            return set()
-        refused = mask.refused(token_ids)
-        rows = [row for row in mask.rows if row not in refused and launched.sampling[row][0].matcher is not None]
-        seqs = [launched.sampling[row][0] for row in rows]
-        tokens = [token_ids[row] for row in rows]
-        self._grammars.accept([seq.matcher for seq in seqs], tokens)
-        for seq, token in zip(seqs, tokens):
-            if token in self.eos_token_ids:
-                seq.matcher = None
-        return refused
+        work = GrammarWork()
+        refused: set[int] = set()
+        if mask is not None:
+            refused = mask.refused(token_ids)
+            for row in mask.rows:
+                seq = launched.sampling[row][0]
+                if row not in refused and seq.matcher is not None:
+                    work.accepts.append((seq, seq.matcher, token_ids[row]))
+                    if token_ids[row] in self.eos_token_ids:
+                        seq.matcher = None
+        if deferred is not None:
+            # In the deferred step's own row order: it was scheduled before these tokens were read, so its
+            # rows are known now, and the mask needs no per-sequence slots mapped to rows at apply time.
+            sampling = deferred.launched.sampling
+            work.fills = [(seq, row, seq.matcher) for row, (seq, _) in enumerate(sampling) if seq.matcher is not None]
+        return (work if work.accepts or work.fills else None), refused
+
+    def _grammar_done(self) -> GrammarDone | None:
+        """The grammar work for the deferred step, once done (None if there was none)."""
+        grammar, self._grammar = self._grammar, None
+        return grammar.result() if isinstance(grammar, Future) else grammar
+
+    def _fail_grammar(self, failed: list[tuple[Sequence, str]]) -> list[Request]:
+        """End each sequence whose grammar matcher raised with an error (_outputs ends its request); their
+        requests."""
+        requests = []
+        for seq, error in failed:
+            seq.matcher = None  # its state is unknown: no mask may be filled from it
+            if seq.is_finished:
+                continue
+            log.error("request %s: the grammar matcher failed: %s", seq.request.request_id, error)
+            self.scheduler.fail(seq, f"the structured-output grammar failed: {error}")
+            requests.append(seq.request)
+        return requests
 
     def _finish_pooled(self, launched: LaunchedStep) -> list[Request]:
         """Finish the embedding requests whose prompts completed in a step, each with its vector."""

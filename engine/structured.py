@@ -11,6 +11,12 @@ Whether a sampled token was allowed is read from the bitmask it was sampled unde
 are advanced by a step's tokens in one call for the batch. A matcher that has accepted a stop token
 has terminated (a sequence with ignore_eos outlives it); the engine then drops it, and the sequence
 is constrained no more.
+
+With async scheduling, the advance by one step's tokens and the fill of the next step's mask run as
+one GrammarWork on a worker thread (Grammars.start): xgrammar's batch calls release the GIL, so the
+engine thread updates the sequences and schedules the step after meanwhile, and waits only where the
+mask is applied. One piece of grammar work runs at a time; the engine waits for it before it touches a
+matcher again. A matcher that raises there fails its own sequence only (GrammarDone.failed).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +37,12 @@ log = logging.getLogger("pagoda.structured")
 
 # Compiled grammars xgrammar keeps (LRU by bytes): thousands of typical schemas.
 _CACHE_BYTES = 512 << 20
+
+# The GIL switch interval while the grammar thread works. Between xgrammar's calls (which release the
+# GIL) it needs the GIL a few times a step, while the engine thread runs Python without a pause; CPython
+# hands the GIL to a waiting thread only after the switch interval, 5 ms by default: longer than the
+# whole window the work has, so the work would wait for the engine thread to block on its result.
+_SWITCH_INTERVAL_S = 1e-4
 
 # xgrammar's errors begin with a timestamp and the C++ source line: "[03:41:44] /project/cpp/x.cc:820: ".
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -53,6 +67,24 @@ class StepMask:
         return {self.rows[i] for i in np.flatnonzero(allowed == 0)}
 
 
+@dataclass
+class GrammarWork:
+    """A step's grammar work: advance each matcher of `accepts` by its token, then fill the mask of the
+    next step's `fills` (sampling row, matcher). `owner` (the engine's sequence) names what fails."""
+
+    accepts: list[tuple[object, object, int]] = field(default_factory=list)  # (owner, matcher, token)
+    fills: list[tuple[object, int, object]] = field(default_factory=list)  # (owner, row, matcher)
+
+
+@dataclass
+class GrammarDone:
+    """What a GrammarWork left: the next step's mask (None for no rows), and the owners whose matcher raised,
+    with the error (their matchers' state is unknown: they are in no mask)."""
+
+    mask: StepMask | None
+    failed: list[tuple[object, str]]
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and vocabulary, advances matchers and fills masks."""
 
@@ -71,6 +103,8 @@ class Grammars:
         self._batch = xgr.BatchGrammarMatcher("auto")
         self._pin = torch.cuda.is_available()
         self._width = xgr.get_bitmask_shape(1, vocab_size)[1]
+        # One thread: a step's work needs the one before it done (a matcher advances in token order).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar")
 
     def compile(self, constraint: Constraint):
         """The CompiledGrammar of a constraint; raises InvalidParameter (naming constraint.param) if it
@@ -114,14 +148,72 @@ class Grammars:
             self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
 
     def fill(self, rows: list[tuple[int, object]]) -> StepMask | None:
-        """The mask of (sampling row, matcher) pairs, whose matchers have not terminated; None for none."""
+        """The mask of (sampling row, matcher) pairs, whose matchers have not terminated; None for none.
+        Raises what a matcher raised."""
+        mask, failed = self._fill(rows)
+        if failed:
+            raise failed[0][1]
+        return mask
+
+    def _fill(self, rows: list[tuple[int, object]]) -> tuple[StepMask | None, list[tuple[int, Exception]]]:
+        """fill(), and the indices into `rows` of the matchers that raised, with what they raised (the mask
+        leaves their rows out)."""
         if not rows:
-            return None
+            return None, []
+        bitmask = self._bitmask(len(rows))
+        try:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
+        except Exception:  # filling only reads a matcher: each is filled again on its own, below
+            pass
+        else:
+            return StepMask(bitmask, [row for row, _ in rows]), []
+        kept, failed = [], []
+        for i, (row, matcher) in enumerate(rows):
+            try:
+                matcher.fill_next_token_bitmask(bitmask, len(kept))
+            except Exception as exc:
+                failed.append((i, exc))
+                continue
+            kept.append(row)
+        return (StepMask(bitmask[: len(kept)], kept) if kept else None), failed
+
+    def _bitmask(self, num_rows: int) -> torch.Tensor:
         # A fresh (pinned) buffer each step: torch's host allocator reuses it only once the copy to the
         # device that reads it has run, and the step's refused() check reads it after sampling.
-        bitmask = torch.empty((len(rows), self._width), dtype=torch.int32, pin_memory=self._pin)
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
-        return StepMask(bitmask, [row for row, _ in rows])
+        return torch.empty((num_rows, self._width), dtype=torch.int32, pin_memory=self._pin)
+
+    def start(self, work: GrammarWork) -> Future[GrammarDone]:
+        """Run `work` on the grammar thread; the caller must not use its matchers until the result is in."""
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _SWITCH_INTERVAL_S))
+        return self._worker.submit(self._run_then_restore, work, interval)
+
+    def _run_then_restore(self, work: GrammarWork, interval: float) -> GrammarDone:
+        try:
+            return self.run(work)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def run(self, work: GrammarWork) -> GrammarDone:
+        """Do `work` here: in xgrammar's batch calls, and where one raises, one matcher at a time, so that
+        only the matchers that raise fail. xgrammar takes every matcher's handle before its batch call
+        begins, so a batch that raised for an object that is no working matcher has advanced none. (A token
+        a grammar cannot take is refused, not raised; the engine never gives one: it checks refused().)"""
+        failed: list[tuple[object, str]] = []
+        if work.accepts:
+            try:
+                self.accept([m for _, m, _ in work.accepts], [t for _, _, t in work.accepts])
+            except Exception:
+                for owner, matcher, token in work.accepts:
+                    try:
+                        matcher.accept_token(token)
+                    except Exception as exc:
+                        failed.append((owner, _error_text(exc)))
+        broken = {id(owner) for owner, _ in failed}
+        fills = [(owner, row, m) for owner, row, m in work.fills if id(owner) not in broken]
+        mask, fill_failed = self._fill([(row, m) for _, row, m in fills])
+        failed += [(fills[i][0], _error_text(exc)) for i, exc in fill_failed]
+        return GrammarDone(mask, failed)
 
 
 def apply_mask(logits: torch.Tensor, mask: StepMask) -> None:

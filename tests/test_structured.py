@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from engine import LLM, InvalidParameter, SamplingParams
+from engine.faults import FaultInjector
 from engine.sampler import Sampler, SamplerRow
 from engine.sampling_params import Constraint
+from engine.sequence import RequestOutput
 from engine.structured import Grammars, apply_mask
 from engine.tokenizer import Tokenizer
 from tests.conftest import KV_BYTES, TINY
@@ -161,6 +163,21 @@ def test_neighbours_of_constrained_rows_are_unchanged(random_llm):
     assert mixed[1].outputs[0].token_ids == alone
 
 
+def small_llm(random_model_dir, preemption_mode: str = "recompute", grammar_thread_min_rows: int = 1) -> LLM:
+    # 12 blocks of 16 tokens for 8 requests (10 sequences) of ~40-token prompts: they preempt each other.
+    # The grammar thread takes every step's grammar work (by default only steps of 16 rows or more).
+    return make_llm(
+        random_model_dir,
+        num_gpu_blocks_override=12,
+        block_size=16,
+        preemption_mode=preemption_mode,
+        swap_space=0.01,
+        async_scheduling=True,
+        max_model_len=160,
+        grammar_thread_min_rows=grammar_thread_min_rows,
+    )
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_constrained_outputs_survive_preemption_and_async_scheduling(random_model_dir, random_llm, preemption_mode):
     """A 12-block pool under 8 concurrent constrained requests preempts; the deferred sampling of async
@@ -172,15 +189,7 @@ def test_constrained_outputs_survive_preemption_and_async_scheduling(random_mode
     ]
     prompts = [f"request {i} " * 6 for i in range(8)]
     alone = [random_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    small = make_llm(
-        random_model_dir,
-        num_gpu_blocks_override=12,
-        block_size=16,
-        preemption_mode=preemption_mode,
-        swap_space=0.01,
-        async_scheduling=True,
-        max_model_len=160,
-    )
+    small = small_llm(random_model_dir, preemption_mode)
     together = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in together] == alone
     assert sum(small.engine.scheduler.num_preemptions.values()) > 0
@@ -265,3 +274,117 @@ def test_ignore_eos_runs_on_unconstrained_past_the_grammars_end(random_llm):
     # Greedy under "[ab]": one letter, then only the stop token is allowed.
     assert random_llm.tokenizer.decode(out.token_ids[:1]) in ("a", "b") and out.token_ids[1] == eos
     assert set(out.token_ids[2:]) - {eos}
+
+
+# ----- the grammar thread (async scheduling): the same outputs as the synchronous path -----
+
+OVERLAP_PROMPTS = {f"r{i}": f"request {i} " * 6 for i in range(8)}
+
+
+def overlap_params(rid: str) -> SamplingParams:
+    """Mixed kinds: a schema (n = 2, random), a schema greedy with a stop string, a regex cut short by
+    max_tokens, a choice, and unconstrained neighbours."""
+    i = int(rid[1:])
+    person = json_constraint(PERSON)
+    return [
+        SamplingParams(temperature=0.8, seed=100 + i, n=2, max_tokens=48, constraint=person),
+        SamplingParams(temperature=0.0, max_tokens=48, constraint=person, stop=['"tags"']),
+        SamplingParams(temperature=0.9, seed=100 + i, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=100 + i, max_tokens=6, constraint=Constraint("regex", r"[a-z]{4,30}")),
+        SamplingParams(temperature=0.0, max_tokens=12, constraint=Constraint("choice", '["alpha", "beta"]')),
+        SamplingParams(temperature=0.8, seed=100 + i, n=2, max_tokens=48, constraint=person),
+        SamplingParams(temperature=0.0, max_tokens=30),
+        SamplingParams(temperature=0.8, seed=100 + i, max_tokens=48, constraint=person),
+    ][i]
+
+
+def drive(llm: LLM, prompts: dict, abort: dict | None = None, faults: str | None = None, max_steps=2000) -> dict:
+    """Run `prompts` (id -> prompt) through the engine step by step; `abort` (id -> steps) aborts a
+    request after that many steps. Every request's final RequestOutput (an aborted one's as it was left),
+    by id; no KV block leaks."""
+    engine = llm.engine
+    engine.faults = FaultInjector.parse(faults) if faults else None
+    abort = dict(abort or {})
+    finished = {}
+    try:
+        requests = {rid: engine.add_request(rid, prompt, overlap_params(rid)) for rid, prompt in prompts.items()}
+        for step in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            for rid, when in list(abort.items()):
+                if step == when:
+                    engine.abort_request(rid)
+                    finished[rid] = RequestOutput.of(requests[rid])
+                    del abort[rid]
+            for out in engine.step():
+                if out.finished:
+                    assert out.request_id not in finished, f"{out.request_id} finished twice"
+                    finished[out.request_id] = out
+    finally:
+        engine.faults = None
+    engine.step()  # the empty step after the last finish
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
+    return finished
+
+
+@pytest.fixture(scope="module")
+def synchronous_outputs(random_llm):
+    """Each request alone, on the synchronous path (no async scheduling: the grammar work runs inline)."""
+    assert not random_llm.engine.config.async_scheduling
+    return {rid: drive(random_llm, {rid: p})[rid] for rid, p in OVERLAP_PROMPTS.items()}
+
+
+def outputs_of(out) -> list[tuple[list[int], str | None]]:
+    return [(o.token_ids, o.finish_reason) for o in out.outputs]
+
+
+@pytest.mark.parametrize("preemption_mode, min_rows", [("recompute", 1), ("swap", 1), ("recompute", 0)])
+def test_grammar_thread_matches_the_synchronous_path(random_model_dir, synchronous_outputs, preemption_mode, min_rows):
+    """Constrained (n = 2, stop strings, max_tokens) and unconstrained requests in one batch of a small pool,
+    with async scheduling: masks filled on the grammar thread while the engine schedules (or inline, with
+    grammar_thread_min_rows 0), preemption, and every output (tokens and finish reason) equal to the
+    request's alone on the synchronous path."""
+    llm = small_llm(random_model_dir, preemption_mode, min_rows)
+    together = drive(llm, OVERLAP_PROMPTS)
+    for rid, out in together.items():
+        assert outputs_of(out) == outputs_of(synchronous_outputs[rid]), rid
+        constraint = overlap_params(rid).constraint
+        for choice in out.outputs:
+            if constraint is not None:
+                assert prefix_ok(llm, constraint, choice.token_ids)
+            if constraint is not None and constraint.kind == "json" and choice.finish_reason == "stop":
+                if choice.stop_reason is None:  # ended by the grammar, not by the stop string
+                    jsonschema.validate(json.loads(choice.text), PERSON)
+    reasons = {o.finish_reason for out in together.values() for o in out.outputs}
+    assert {"stop", "length"} <= reasons
+    assert together["r1"].outputs[0].stop_reason == '"tags"'
+    assert together["r3"].outputs[0].finish_reason == "length"  # max_tokens mid-match
+    assert sum(llm.engine.scheduler.num_preemptions.values()) > 0
+    assert bool(llm.engine.grammars._worker._threads) == (min_rows > 0), "the grammar thread ran, or not"
+
+
+def test_abort_of_a_constrained_request_leaves_the_others(random_model_dir, synchronous_outputs):
+    """Requests aborted mid-generation while constrained (their next mask already being filled) end with
+    "abort"; every other request finishes as it would have."""
+    llm = small_llm(random_model_dir)
+    together = drive(llm, OVERLAP_PROMPTS, abort={"r0": 6, "r7": 9})
+    for rid, out in together.items():
+        if rid in ("r0", "r7"):
+            assert {o.finish_reason for o in out.outputs} == {"abort"} and out.error is None
+        else:
+            assert outputs_of(out) == outputs_of(synchronous_outputs[rid]), rid
+    assert len(together["r7"].outputs[0].token_ids) > 0  # it was generating
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failing_grammar_fails_its_request_only(random_model_dir, synchronous_outputs, async_scheduling):
+    """A matcher that raises when advanced (an injected fault; on the grammar thread with async scheduling,
+    inline without) fails its request with an error; every other request finishes as it would have."""
+    llm = small_llm(random_model_dir) if async_scheduling else make_llm(random_model_dir)
+    together = drive(llm, OVERLAP_PROMPTS, faults="grammar:r5")
+    for rid, out in together.items():
+        if rid == "r5":
+            assert {o.finish_reason for o in out.outputs} == {"error"}
+            assert "the structured-output grammar failed: injected fault" in out.error
+        else:
+            assert outputs_of(out) == outputs_of(synchronous_outputs[rid]), rid
