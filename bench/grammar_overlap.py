@@ -179,7 +179,7 @@ def main() -> None:
             max_num_batched_tokens=8192,
             num_gpu_blocks_override=8192,
             async_scheduling=True,
-            **({"grammar_thread_min_rows": 0} if args.grammar_inline else {}),
+            grammar_thread_min_rows=0 if args.grammar_inline else 16,  # the engine default is 0 (inline)
         )
         if constraint is not None:
             llm.engine.compile_constraint(SamplingParams(constraint=constraint))  # the grammar thread exists now

@@ -2,7 +2,8 @@
 # One device call: W2 with a JSON schema on every request, pagoda and vLLM 0.26 in turn, each run in
 # its own process, plus both unconstrained. Rows: $OUT/structured.jsonl.
 #   bash bench/structured.sh [runs...]   default: pagoda-plain pagoda vllm vllm-plain pagoda pagoda-plain
-# (pagoda-inline: pagoda under the schema with its grammar work on the engine thread, no grammar thread)
+# (pagoda: under the schema with the grammar thread from 16 rows; pagoda-inline: the grammar work on the engine
+# thread, the engine's default)
 # The device has no network. vLLM runs need its peer staged and installed first
 # (../shared/peers/vllm_h100.sh stage 1; stage 2 && install), whose site (VB_SITE) also gives pagoda
 # an xgrammar. With XGR_WHEELS=DIR (carried wheels: xgrammar at the version pyproject pins, and what it

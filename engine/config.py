@@ -259,11 +259,13 @@ class EngineConfig:
         "CPU the same cores do both and nothing overlaps",
         default_help="on with CUDA, off on the CPU",
     )
+    # 0 by default: on the H100 the thread measured 0.93-0.98x unconstrained W2 against 0.98x inline in one
+    # call (bench/results/2026-11-26-h100-cb1e0e2-w2-structured*), the hand-back of the GIL costing what it saves.
     grammar_thread_min_rows: int = knob(
-        16,
+        0,
         "with async scheduling, a step with at least this many structured-output rows advances their grammar "
         "matchers and fills the next step's token mask on a thread of its own while the engine schedules; with "
-        "fewer the work is done inline, where it costs less than the hand-over (0: always inline)",
+        "fewer the work is done inline (0: always inline, the default)",
         min=0,
     )
     pooling_type: str = knob(
