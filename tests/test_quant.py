@@ -536,8 +536,8 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     # A process of its own: the kernels of this one are the interpreter's (TRITON_INTERPRET=1).
     code = (
-        "from bench.quant_sass import per_weight; from engine.kernels.quant_gemm import mid_tiles\n"
-        f"tiles = mid_tiles({bits}, {m}, 4096, 4096, 128, num_sms=132)\n"
+        "from bench.quant_sass import per_weight; from engine.kernels.quant_gemm import mid_rule\n"
+        f"tiles = mid_rule({m}, 4096, 4096, 128, num_sms=132)\n"
         "cost, kernel, ops = per_weight(tiles=tiles, bits=" + str(bits) + ")\n"
         "print(cost, ops['HMMA'] + ops['HGMMA'], tiles)"
     )
