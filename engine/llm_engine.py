@@ -533,7 +533,8 @@ class LLMEngine:
         started = time.perf_counter()
         proposed = None
         if self.speculator is not None:
-            self._time_last_step(started, overlapped)
+            if self.speculator.can_pay:  # the step times feed only the decision of one that can
+                self._time_last_step(started, overlapped)
             proposed = self.speculator.drafts(self.scheduler.running)
         sched = self.scheduler.schedule(proposed)
         if sched.is_empty:

@@ -225,8 +225,10 @@ class Speculator:
 
     def _decide(self, running: list[Sequence]) -> bool:
         """Whether the coming step speculates: see the module's docstring."""
+        if not self.can_pay:  # off for good: no pass over the batch
+            return False
         n = self.num_decoding(running)
-        if not self.can_pay or not 0 < n <= self.config.disable_by_batch_size:
+        if not 0 < n <= self.config.disable_by_batch_size:
             return False
         if not self.adaptive:
             return True
