@@ -1214,6 +1214,59 @@ def mode_profile(args) -> None:
     )
 
 
+def mode_decode_ncu(args) -> None:
+    """The decode kernel alone at the W2-like shape (Qwen3-0.6B attention: 16 / 8 heads, D 128, 256 sequences
+    of U[100, 1280] keys), shipped tiles, fp8 then bf16 cache, three calls each: for `ncu -k regex:_decode_kernel`
+    (bash bench/gpu_check.sh decode-ncu)."""
+    from engine import kv_fp8
+    from engine.kernels.decode import paged_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k16, v16, tables, seq_lens = _decode_batch(256, 1280, 16, 8, 128, 16, True, gen)
+    ks = torch.tensor([0.05], device="cuda")
+    k8, v8 = (kv_fp8.quantize(c, ks, torch.float8_e4m3fn) for c in (k16, v16))
+    for k_cache, v_cache, scales in ((k8, v8, dict(k_scale=ks, v_scale=ks)), (k16, v16, {})):
+        for _ in range(3):
+            paged_decode(q, k_cache, v_cache, tables, seq_lens, 128**-0.5, **scales)
+    torch.cuda.synchronize()
+    print("keys", int(seq_lens.sum()))
+
+
+def mode_quant_profile(args) -> None:
+    """Kernel time by name over 10 decode steps of Llama-3-8B (dummy weights) at batch 1 and 64 (128-token
+    prompts) for each --kinds kind (default bf16 and fp8): where a quantized decode step's time goes."""
+    from engine import SamplingParams
+
+    for kind in args.kinds or ["bf16", "fp8"]:
+        quantization, recipe = QUANT_KINDS[kind]
+        llm = _llm(_quant_model_dir(recipe), args.backend, args.eager, quantization=quantization)
+        engine = llm.engine
+        for batch in (1, 64):
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            for i, p in enumerate(_fixed_prompts(batch, 128, seed=batch)):
+                engine.add_request(f"{kind}-{batch}-{i}", p, params)
+            for _ in range(12):
+                engine.step()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    engine.step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            while engine.has_unfinished_requests():
+                engine.step()
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+            device_us = sum(e.self_device_time_total for e in events)
+            print(f"--- {kind} batch {batch}: wall {wall * 1e2:.3f} ms/step, device {device_us / 10 / 1e3:.3f} ms/step")
+            for e in events[:14]:
+                print(f"  {e.self_device_time_total / 10:9.1f} us/step  {e.count // 10:4d}/step  {e.key[:110]}")
+            emit(args, {"mode": "quant-profile", "kind": kind, "batch": batch, "wall_ms_per_step": wall * 1e2,
+                        "device_ms_per_step": device_us / 1e4,
+                        "top": [(e.key[:110], e.self_device_time_total / 10, e.count // 10) for e in events[:14]]})  # fmt: skip
+        del llm, engine
+        torch.cuda.empty_cache()
+
+
 def _workload(name: str):
     if name == "w1":
         return LLAMA_8B, w1_prompts(), [256] * 64
@@ -1416,6 +1469,8 @@ def main() -> None:
             "long-decode",
             "quant-decode",
             "verify",
+            "decode-ncu",
+            "quant-profile",
         ],
     )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
@@ -1475,6 +1530,8 @@ def main() -> None:
         "gemms": mode_gemms,
         "quant-decode": mode_quant_decode,
         "verify": mode_verify,
+        "decode-ncu": mode_decode_ncu,
+        "quant-profile": mode_quant_profile,
     }[args.mode](args)
 
 

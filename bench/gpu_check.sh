@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -110,6 +110,18 @@ for step in "$@"; do
     verify-graphs) python3 -m pytest -q -p no:cacheprovider tests/test_verify_graphs.py tests/test_kernels_attention.py \
              tests/test_fp8_kv.py -k "verify or several_queries or test_decode" 2>&1 \
              | tee $OUT/pytest-cuda-verify-graphs.log | tail -8 ;;
+    # Nsight Compute on the decode kernel at the W2-like shape: the third fp8 call and the first bf16 one, full set,
+    # with SASS-level sampling ($OUT/decode-ncu*.txt / .csv; the report itself as $OUT/decode-ncu.ncu-rep).
+    decode-ncu) ncu=${NCU:-/usr/local/cuda/bin/ncu}
+           $ncu -k regex:_decode_kernel --launch-skip 2 --launch-count 2 --set full --import-source yes \
+             -f -o $OUT/decode-ncu python3 bench/gpu_check.py decode-ncu 2>&1 | tail -4
+           $ncu --import $OUT/decode-ncu.ncu-rep --page details > $OUT/decode-ncu-details.txt 2>&1
+           $ncu --import $OUT/decode-ncu.ncu-rep --page source --csv --print-source sass > $OUT/decode-ncu-sass.csv 2>&1
+           grep -E "_decode_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|L2 Hit|Block Limit" \
+             $OUT/decode-ncu-details.txt | head -60 ;;
+    # One process per kind: an engine's memory is not all returned to the device when it is deleted.
+    quant-profile) for kind in ${QUANT_PROFILE_KINDS:-bf16 fp8}; do python3 bench/gpu_check.py quant-profile --kinds $kind 2>&1 \
+             | grep -E "^(---|  )" | cut -c1-150; done ;;
     w1-sync|w2-sync) python3 bench/gpu_check.py workload ${step%-sync} --backend triton --sync ;;
     w1-eager|w2-eager) python3 bench/gpu_check.py workload ${step%-eager} --backend triton --eager ;;
     w1-torch|w2-torch) python3 bench/gpu_check.py workload ${step%-torch} --backend torch --eager ;;
