@@ -415,6 +415,15 @@ DECODE_TILE_CANDIDATES = {
         (128, 8, 2, "asm"),
         (256, 8, 2, "asm"),
         (128, 4, 2, "bits"),
+        (128, 4, 2, "f16"),
+        (128, 4, 3, "f16"),
+        (64, 4, 2, "words"),
+        (64, 4, 3, "words"),
+        (128, 4, 2, "words"),
+        (128, 4, 3, "words"),
+        (128, 8, 2, "words"),
+        (64, 4, 2, "words_v"),
+        (128, 4, 2, "words_v"),
     ],
 }
 
@@ -442,7 +451,7 @@ def mode_decode_tiles(args) -> None:
     bytes read, per candidate; the shipped DECODE_TILES marked `default`. Then the paged prefill's fp8
     tilings (_prefill_tiles), and the fastest of each shape and cache kind ("best" lines)."""
     from engine import kv_fp8
-    from engine.kernels.decode import DECODE_TILES, DecodeTiles, decode_num_splits, num_sms, paged_decode
+    from engine.kernels.decode import DecodeTiles, decode_num_splits, decode_tiles, num_sms, paged_decode
 
     hbm, _ = measure_peaks()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -454,6 +463,7 @@ def mode_decode_tiles(args) -> None:
         splits = decode_num_splits(batch, kvh, num_sms(torch.device("cuda")))
         rows = [0, batch // 2, batch - 1]
         for kind in ("16bit", "fp8"):
+            shipped = decode_tiles(kind == "fp8", batch, kvh, num_sms(torch.device("cuda")))
             if kind == "fp8":
                 # randn values: amax ~5 mapped well inside e4m3, as --calculate-kv-scales does
                 ks = vs = torch.tensor([0.05], device="cuda")
@@ -475,7 +485,7 @@ def mode_decode_tiles(args) -> None:
                 row = {"mode": "decode_tiles", "shape": name, "cache": kind, "batch": batch, "heads": h,
                        "kv_heads": kvh, "context": ctx, "ragged": ragged, "splits": splits, "block_n": block_n,
                        "num_warps": warps, "num_stages": stages, "widen": widen,
-                       "default": tiles == DECODE_TILES[kind]}  # fmt: skip
+                       "default": tiles == shipped}  # fmt: skip
                 try:
                     out = call()[rows].float()
                 except Exception as exc:  # a tiling that does not compile (shared memory, registers) is reported
@@ -507,6 +517,11 @@ PREFILL_TILE_CANDIDATES = {
         (128, 64, 8, 2, "asm"),
         (128, 64, 4, 2, "asm"),
         (64, 128, 4, 2, "asm"),
+        (64, 64, 4, 2, "f16"),
+        (64, 64, 4, 2, "words"),
+        (64, 128, 4, 2, "words"),
+        (128, 64, 8, 2, "words"),
+        (64, 64, 4, 2, "words_v"),
     ],
 }
 
@@ -1260,9 +1275,9 @@ def mode_quant_profile(args) -> None:
             print(f"--- {kind} batch {batch}: wall {wall * 1e2:.3f} ms/step, device {device_us / 10 / 1e3:.3f} ms/step")
             for e in events[:14]:
                 print(f"  {e.self_device_time_total / 10:9.1f} us/step  {e.count // 10:4d}/step  {e.key[:110]}")
+            top = [(e.key[:110], e.self_device_time_total / 10, e.count // 10) for e in events[:14]]
             emit(args, {"mode": "quant-profile", "kind": kind, "batch": batch, "wall_ms_per_step": wall * 1e2,
-                        "device_ms_per_step": device_us / 1e4,
-                        "top": [(e.key[:110], e.self_device_time_total / 10, e.count // 10) for e in events[:14]]})  # fmt: skip
+                        "device_ms_per_step": device_us / 1e4, "top": top})  # fmt: skip
         del llm, engine
         torch.cuda.empty_cache()
 

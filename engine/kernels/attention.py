@@ -45,7 +45,28 @@ def _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOC
 # and per output row with the scales): exact, interpreter-safe, one element at a time.
 # "asm" is the same bits four bytes at a time in PTX (two prmt + shift/and/or per pair, no cvt); it
 # needs a GPU, and the kernels' callers switch it to "bits" under the interpreter.
-WIDENS = ("cast", "bits", "asm")
+# "f16" runs the attention in float16 whatever q's 16-bit dtype: q is cast to float16 once per program,
+# tiles go e4m3 -> f16 by one cvt.rn.f16x2.e4m3x2 per two elements (e5m2 is f16's high byte), the softmax
+# weights enter P @ V as float16. Exact for every fp8 code (f16 holds them all); q loses nothing a bf16 q
+# has (f16 has more mantissa) unless beyond f16's range, where it is clamped (a q entry past 65504 is
+# outside any model we serve). An Nsight Compute look at "asm" on the H100 found the decode kernel bound
+# by its integer widening work (IMAD / LOP3 / PRMT / SHF 58% of its instructions), not by HBM.
+# "words" is f16 whose V tile (and K tile) is read as 32-bit words, four codes each, widened four at a time
+# (two cvt.rn.f16x2.e4m3x2 per word on the GPU) and joined back into [keys, dims] in registers: the
+# float16 tile then reaches the MMA through shared memory as 16-bit rows (ldmatrix), not as bytes
+# gathered one at a time (an fp8 V must be transposed for P @ V, which the 8-bit operand path does byte by byte).
+# "words_v" reads only V so (K, whose dims are the MMA's reduction dim, needs no transpose) and casts K as f16.
+WIDENS = ("cast", "bits", "asm", "f16", "words", "words_v")
+_F16 = WIDENS.index("f16")
+# Four fp8 e4m3 codes of a 32-bit word as four float16 values (exact): two conversions of two codes each.
+_WORDS_ASM = (
+    "{ .reg .b16 lo, hi; .reg .b32 a, b;\n"
+    "mov.b32 {lo, hi}, $4;\n"
+    "cvt.rn.f16x2.e4m3x2 a, lo;\n"
+    "cvt.rn.f16x2.e4m3x2 b, hi;\n"
+    "mov.b32 {$0, $1}, a;\n"
+    "mov.b32 {$2, $3}, b; }"
+)
 
 
 @dataclass(frozen=True)
@@ -96,12 +117,20 @@ _FORMATS = {
 _PRESCALE_EXP = {torch.bfloat16: 64, torch.float16: 0}
 
 
-def fp8_widen(cache_dtype: torch.dtype, q_dtype: torch.dtype, widen: str, on_gpu: bool) -> Fp8Widen:
+def fp8_widen(
+    cache_dtype: torch.dtype, q_dtype: torch.dtype, widen: str, on_gpu: bool, head_dim: int = 128
+) -> Fp8Widen:
     """The widening constexprs for an fp8 cache read by a q of q_dtype; "cast" for a float32 q (its
-    dots run in float32, there is no 16-bit lane to fill) and "bits" in place of "asm" off the GPU."""
+    dots run in float32, there is no 16-bit lane to fill), "bits" in place of "asm" off the GPU, and
+    "f16" in place of "words" for e5m2 or a head dim that is not a power of two (the tile's width)."""
     assert widen in WIDENS, f"widen must be one of {WIDENS}"
     if widen == "cast" or q_dtype not in _PRESCALE_EXP:
         return Fp8Widen()
+    words_fit = cache_dtype == torch.float8_e4m3fn and head_dim == triton.next_power_of_2(head_dim) >= 4
+    if widen == "f16" or (widen.startswith("words") and not words_fit):
+        return Fp8Widen(WIDEN=_F16)  # words' conversion is e4m3's; e5m2 takes f16's
+    if widen.startswith("words"):
+        return Fp8Widen(WIDEN=WIDENS.index(widen), WIDEN_ASM=_WORDS_ASM if on_gpu else "")
     if widen == "asm" and not on_gpu:
         widen = "bits"
     (fp8_exp, fp8_bias), (q_exp, q_bias) = _FORMATS[cache_dtype], _FORMATS[q_dtype]
@@ -115,7 +144,7 @@ def fp8_widen(cache_dtype: torch.dtype, q_dtype: torch.dtype, widen: str, on_gpu
 def _widen_fp8(x, like, WIDEN: tl.constexpr, WIDEN_SHIFT: tl.constexpr, WIDEN_ASM: tl.constexpr):
     """An fp8 tile in the dtype of the tensor `like` (Fp8Widen): exact for cast; times 2^-(bias difference)
     for bits and asm."""
-    if WIDEN == 0:
+    if WIDEN == 0 or WIDEN >= 3:  # cast, f16, words_v's K (`like` is the float16 q then)
         return x.to(like.dtype)
     # The fp8 code in the high byte of a 16-bit lane: sign in place, exponent and mantissa shifted down
     # to the lane's exponent field (a zero code stays 0, subnormals stay subnormal).
@@ -130,6 +159,31 @@ def _widen_fp8(x, like, WIDEN: tl.constexpr, WIDEN_SHIFT: tl.constexpr, WIDEN_AS
 
 
 @triton.jit
+def _load_fp8_words(ptr, offs, pos_ok, BOUNDED: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN_ASM: tl.constexpr):
+    """The [keys, BLOCK_D] e4m3 tile at row offsets `offs` (elements = bytes) as float16, read as 32-bit words
+    and widened four codes at a time ("words" in WIDENS); BLOCK_D is the head dim (a multiple of 4)."""
+    words = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    w_offs = (offs // 4)[:, None] + tl.arange(0, BLOCK_D // 4)[None, :]
+    if BOUNDED:
+        w = tl.load(words + w_offs, mask=pos_ok[:, None], other=0)
+    else:
+        w = tl.load(words + w_offs)
+    if WIDEN_ASM != "":
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            WIDEN_ASM, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4, is_pure=True, pack=1
+        )
+    else:  # the interpreter: the same values by triton's casts
+        c0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # join adds its axis last: [keys, words, 2 (inner joins' axis), 2 (outer's)], so code 2 * p + q of word i
+    # sits at [.., i, p, q], which is dim 4 * i + 2 * p + q row-major.
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(x, (offs.shape[0], BLOCK_D))
+
+
+@triton.jit
 def _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, UNBIAS: tl.constexpr = 1.0):
     """(softmax scale, output scale): an fp8 cache's K scale multiplies every score, so it joins the
     softmax scale; its V scale multiplies every output row, so it is applied once at the end. Both
@@ -140,11 +194,17 @@ def _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, UNBIAS
 
 
 @triton.jit
-def _prescale_q(q, KV_FP8: tl.constexpr, PRESCALE: tl.constexpr):
-    """q times Fp8Widen.PRESCALE (exact: a power of two), once per program before its key loop."""
-    if KV_FP8 and PRESCALE != 1.0:
-        return (q.to(tl.float32) * PRESCALE).to(q.dtype)
-    return q
+def _prescale_q(q, KV_FP8: tl.constexpr, PRESCALE: tl.constexpr, WIDEN: tl.constexpr = 0):
+    """q times Fp8Widen.PRESCALE (exact: a power of two), once per program before its key loop; float16 for
+    the f16 widening (clamped to its range)."""
+    # One return: compiled Triton types every return statement of a function, taken branch or not.
+    if KV_FP8 and WIDEN >= 3:
+        out = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    elif KV_FP8 and PRESCALE != 1.0:
+        out = (q.to(tl.float32) * PRESCALE).to(q.dtype)
+    else:
+        out = q
+    return out
 
 
 @triton.jit
@@ -198,8 +258,11 @@ def _attend_keys(
             pos_ok = pos >= 0
             load_ok = d_ok[None, :]
         offs = _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOCK_SIZE)
-        k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
-        if KV_FP8:
+        if KV_FP8 and WIDEN == 4:
+            k = _load_fp8_words(k_ptr, offs, pos_ok, BOUNDED, d.shape[0], WIDEN_ASM)
+        else:
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
+        if KV_FP8 and WIDEN != 4:
             k = _widen_fp8(k, q, WIDEN, WIDEN_SHIFT, WIDEN_ASM)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if not FOLD_SCALE:
@@ -221,8 +284,11 @@ def _attend_keys(
             p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
-        if KV_FP8:
+        if KV_FP8 and WIDEN >= 4:
+            v = _load_fp8_words(v_ptr, offs, pos_ok, BOUNDED, d.shape[0], WIDEN_ASM)
+        else:
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
+        if KV_FP8 and WIDEN < 4:
             v = _widen_fp8(v, q, WIDEN, WIDEN_SHIFT, WIDEN_ASM)
             if PRESCALE != 1.0:
                 p = p * PRESCALE
@@ -299,7 +365,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row_ptr = bt_ptr + seq * stride_bt
     qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8, UNBIAS)
-    q = _prescale_q(q, KV_FP8, PRESCALE)
+    q = _prescale_q(q, KV_FP8, PRESCALE, WIDEN)
     # Keys 0..context+first_q are visible to every row; whole tiles of them need no mask.
     full_end = (context + first_q + 1) // BLOCK_N * BLOCK_N
     # The last valid query of the tile bounds the key loop (causal early stop).
@@ -387,8 +453,9 @@ class PrefillTiles:
 # while short queries (chunk tails, q_len 1 rows in mixed batches) fill the rows. 64x64 tiles, 4 warps, 2
 # stages: best or within 3% of a 24-config sweep on an H100 (bf16, D 64 and 128, G 2..4), about 60% of
 # cuDNN's dense causal attention there. The folded scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k,
-# 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (the decode kernel's reasoning:
-# DECODE_TILES). `bash bench/gpu_check.sh decode-tiles` times other tilings over fp8 on the H100
+# 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (in a prefill tile every K/V
+# byte feeds 64 query rows, so widening costs less than in decode; words / f16 were no faster on the H200,
+# bench/results/2026-11-26-h200-*-decode-tiles-words.jsonl). `bash bench/gpu_check.sh decode-tiles` times other tilings over fp8 on the H100
 # (bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl): block_m 128 is no faster for 16 x 512-token
 # prompts (195.7-243 us against 196.1) and slower for 64 one-token rows (89.8-114.5 against 55.5 us);
 # block_n 128 is 13% faster for those rows (48.8 us) and 4% slower for the prompts (204 us), so the
@@ -470,7 +537,7 @@ def paged_prefill(
         "FOLD_SCALE": True,
     }
     if fp8:  # the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches
-        launch.update(asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)))
+        launch.update(asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda, head_dim)))
     block_q = launch["BLOCK_M"] // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _prefill_kernel[grid](

@@ -107,7 +107,7 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], m_init, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     qk_scale, v_scale = _fp8_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8, UNBIAS)
-    q = _prescale_q(q, KV_FP8, PRESCALE)
+    q = _prescale_q(q, KV_FP8, PRESCALE, WIDEN)
     acc, m_i, l_i = _attend_keys(
         acc,
         m_i,
@@ -199,18 +199,31 @@ class DecodeTiles:
     widen: str = "cast"
 
 
-# The tiling per cache kind. 16-bit: 64 keys, 4 warps, 2 stages (attention.py's prefill sweep). fp8:
-# a 64-key fp8 tile moves half the bytes of a bf16 one for the same per-tile work (block-table gather,
-# two MMAs, softmax), and widening through cvt (1.5 conversion instructions per element at 16 per
-# clock per SM) costs about what streaming the bytes does: 128 keys, so a tile moves as many bytes as
-# the 16-bit one, widened by the asm bit moves. `bash bench/gpu_check.sh decode-tiles` times the
-# candidates (bench/gpu_check.py DECODE_TILE_CANDIDATES); on the H100 these were the fastest at batch 64
-# x 8k keys, 64 x 512 and a W2-like batch (bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl: fp8
-# 432 / 33.6 / 180 us against 594 / 43.0 / 212 with cast at 128 keys, bf16 711 / 50.4 / 261).
+# The tiling per cache kind. 16-bit: 64 keys, 4 warps, 2 stages (attention.py's prefill sweep). fp8: read as
+# 32-bit words and widened to float16 four codes at a time ("words" in attention.WIDENS): before it, the
+# kernel gathered fp8 V bytes one at a time through shared memory for P @ V and spent 58% of its instructions
+# on integer widening (Nsight Compute, H200, W2 shape: DRAM 33% busy, ALU 61%). Two fp8 tilings, picked by
+# programs per SM (sequences x KV heads / SMs, known at launch; bench/gpu_check.sh decode-tiles, H200,
+# bench/results/2026-11-26-h200-*-decode-tiles-words.jsonl): with many short programs (W2: 256 sequences of
+# U[100, 1280] keys, 15 programs per SM) 128-key tiles and 3 stages, 153 us against 175 us for the asm
+# widening before it and 181 us for a bf16 cache; with few long ones (64 x 8k keys, 64 x 512; 4 per SM)
+# 64-key tiles, 394 / 30.8 us against 423 / 32.3 (asm) and 478 / 35.7 (bf16), where the 128-key tiling
+# took 472-528 us at 8k.
 DECODE_TILES = {
     "16bit": DecodeTiles(block_n=64),
-    "fp8": DecodeTiles(block_n=128, widen="asm"),
+    "fp8": DecodeTiles(block_n=64, widen="words"),
+    "fp8_many": DecodeTiles(block_n=128, num_stages=3, widen="words"),
 }
+# Programs per SM from which an fp8 cache takes DECODE_TILES["fp8_many"].
+FP8_MANY_PROGRAMS_PER_SM = 8
+
+
+def decode_tiles(fp8: bool, num_seqs: int, num_kv_heads: int, num_sms: int) -> DecodeTiles:
+    """The shipped tiling for a launch of num_seqs sequences (DECODE_TILES)."""
+    if not fp8:
+        return DECODE_TILES["16bit"]
+    many = num_seqs * num_kv_heads >= FP8_MANY_PROGRAMS_PER_SM * num_sms
+    return DECODE_TILES["fp8_many" if many else "fp8"]
 
 
 # Decode programs to aim for per SM when choosing the split count.
@@ -277,9 +290,9 @@ def paged_decode(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, kv_heads, num_sms(q.device))
     block_d = triton.next_power_of_2(head_dim)
-    tiles = tiles or DECODE_TILES["fp8" if fp8 else "16bit"]
+    tiles = tiles or decode_tiles(fp8, num_seqs, kv_heads, num_sms(q.device))
     # fp8: the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches.
-    widen = asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda)) if fp8 else {}
+    widen = asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda, head_dim)) if fp8 else {}
     if num_splits > 1:
         part_out = torch.empty(rows, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q.device)
