@@ -37,6 +37,8 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -194,34 +196,57 @@ def summarize(rows: list[dict]) -> str:
 def run_all(args: argparse.Namespace) -> int:
     """Each engine and kind in a process of its own (so each starts with the whole GPU), vLLM's with its staged
     site first on the path. A failure leaves a row saying so and the others still run."""
+    models = model_dirs()
+    try:
+        return _run_each(args, models)
+    finally:
+        for kind, model in models.items():
+            if KINDS[kind][1] is not None:  # the temporary copies _quant_model_dir made
+                shutil.rmtree(model, ignore_errors=True)
+
+
+def model_dirs() -> dict[str, str]:
+    """kind -> the model directory both engines load (bench/gpu_check.py _quant_model_dir: bench/configs/llama3-8b,
+    or a temporary copy with the kind's quantization_config)."""
+    return {kind: _quant_model_dir(recipe) for kind, (_, recipe) in KINDS.items()}
+
+
+def _run_each(args: argparse.Namespace, models: dict[str, str]) -> int:
     site = os.environ.get("VB_SITE", "/root/vb_site")
-    models = {kind: _quant_model_dir(recipe) for kind, (_, recipe) in KINDS.items()}
     ok = True
     for engine, kind in RUNS:
         if engine not in args.engines or (args.kinds and kind not in args.kinds):
             continue
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
         if engine == "vllm":
-            env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT)])
+            env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT), *inherited])
             # flashinfer is not carried: greedy never reaches its sampler (../shared/peers/vllm_h100.sh).
             env |= {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
             if kind.endswith("-marlin"):
                 env["VLLM_DISABLED_KERNELS"] = MARLIN_ONLY
         else:
-            env["PYTHONPATH"] = str(ROOT)
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *inherited])
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--kind", kind, "--out", args.out]
         cmd += ["--model", models[kind.removesuffix("-marlin")], "--short", str(args.short), "--long", str(args.long)]
         cmd += ["--repeats", str(args.repeats)]
         print(f"=== {engine} {kind} {time.strftime('%T')}", flush=True)
+        # A session of its own: past the timeout the whole group goes, vLLM's engine-core process with it (left
+        # alive, it would keep its GPU memory from the next run).
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            error = None if done.returncode == 0 else f"exit {done.returncode}"
-            output = done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            error, output = (
-                f"past --timeout {args.timeout:g} s",
-                (e.stdout or b"").decode() + (e.stderr or b"").decode(),
-            )
+            output, _ = proc.communicate(timeout=args.timeout)
+            error = None if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            error = f"past --timeout {args.timeout:g} s"
+        try:  # whatever of the group outlived its leader
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         for line in output.splitlines():
             if line.startswith("RESULT") or "LinearKernel" in line or "Error" in line:
                 print(line[:600], flush=True)

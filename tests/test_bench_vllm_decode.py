@@ -55,11 +55,17 @@ def test_all_records_a_failed_engine_process(tmp_path, monkeypatch):
         assert r["engine"] == "vllm" and r["error"] == "exit 1" and r["commit"]
         assert "No module named 'vllm'" in r["tail"]
     assert "/bench/configs/llama3-8b " in rows[0]["command"]
-    models = {Path(r["command"].split("--model ")[1].split()[0]) for r in rows[1:]}
-    assert len(models) == 1  # one copy for both of vLLM's W4A16 kernels
-    q = json.loads((models.pop() / "config.json").read_text())["quantization_config"]
+    models = {r["command"].split("--model ")[1].split()[0] for r in rows[1:]}
+    assert len(models) == 1 and "llama3-8b-gptq-w4g128-" in models.pop()  # one copy for both W4A16 kernels
+    assert not any(Path(r["command"].split("--model ")[1].split()[0]).exists() for r in rows[1:])  # removed
+    model = vllm_decode.model_dirs()["w4a16-g128"]
+    q = json.loads((Path(model) / "config.json").read_text())["quantization_config"]
+    shutil.rmtree(model)
     assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 128, True, False)
-    shutil.rmtree(Path(rows[1]["command"].split("--model ")[1].split()[0]))  # the temporary copy run_all made
+    # A run past --timeout is killed (with its process group) and says so.
+    argv = ["all", "--engines", "vllm", "--kinds", "bf16", "--out", str(out), "--timeout", "0.2"]
+    assert vllm_decode.main(argv) == 1
+    assert json.loads(out.read_text().splitlines()[-1])["error"] == "past --timeout 0.2 s"
     with pytest.raises(SystemExit, match="--long must exceed --short"):
         vllm_decode.main(["one", "--short", "8", "--long", "8"])
     with pytest.raises(SystemExit, match="vLLM kernel choice"):
