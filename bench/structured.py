@@ -284,7 +284,8 @@ def run_vllm(model: str, constrained: bool, requests: int = 256, lengths: tuple[
     prompts, outs = workload(requests, *lengths)
     t0 = time.perf_counter()
     # vLLM 0.26 offline takes the schema as SamplingParams.structured_outputs = StructuredOutputsParams(json=...)
-    # (vllm/sampling_params.py; its OpenAI server maps response_format json_schema onto the same field). The
+    # (vllm/sampling_params.py; its OpenAI server maps response_format {"type": "json_schema"} onto the same
+    # field, vllm/entrypoints/openai/engine/protocol.py structured_outputs_from_response_format). The
     # backend is named, not "auto": auto falls back to guidance or outlines for a schema xgrammar rejects, and
     # pagoda uses xgrammar. vLLM's xgrammar compiles JSON schemas with any_whitespace unless
     # disable_any_whitespace; pagoda compiles with any_whitespace=False, so both compile the same grammar.
