@@ -22,15 +22,24 @@
 #           bash bench/spec_h100.sh bench pagoda-none vllm-none pagoda-ngram vllm-ngram")
 #     5 run(command="bash bench/spec_h100.sh bench pagoda-draft vllm-draft")
 #   (all six in one call: `bench` alone, once vLLM's compile cache is warm from call 4; STOP_AFTER guards the limit.)
+#   Speculation against none, judged to a few percent (issue 21): one server's configurations interleaved in ROUNDS
+#   rounds, e.g. after call 4 (or calls 3-4 without vLLM's parts):
+#     6 run(command="ROUNDS=3 bash bench/spec_h100.sh bench pagoda-none pagoda-ngram")
+#   (~50 s a configuration and round at the default request counts on the H100: 3 rounds of two fit one call;
+#   on a machine fresh from 3-4 only, `stage`/`install` of this script must come first in the same call.)
 #   install exits 3 when a part is gone (a fresh machine: stage both again), 4 on a checksum mismatch.
-#   bench CONFIG... runs those configurations (default: all six; SERVER-SPEC, bench/spec_online.py) and leaves in
-#   $OUT spec_h100.jsonl (every row so far on this machine, /root/spec_results), spec_h100_summary.md (the
-#   table: tok/s, pagoda/vLLM per concurrency and speculation, acceptance, the crossover; a later row of a
-#   configuration and concurrency replaces an earlier one) and logs/CONFIG.log.
-#   Environment: CONCURRENCY (1,8,32), OUTPUT_LEN (128), PROMPTS_PER_CONCURRENCY (4), NUM_PROMPTS (8),
-#   NUM_WARMUPS (4), K (4), DEVICE (cuda; cpu: a dry run of the pagoda half here), STOP_AFTER (400: no
-#   configuration starts after these seconds, so that a call ends within its 10 minutes; those left get a row
-#   saying so), and PAGODA_ARGS / VLLM_ARGS (more server flags).
+#   bench CONFIG... runs those configurations (default: all six; SERVER-SPEC, bench/spec_online.py), ROUNDS times
+#   over interleaved (none, ngram, none, ngram, ...; each server started afresh each round), and leaves in $OUT
+#   spec_h100.jsonl (every row so far on this machine, /root/spec_results; after each call's rounds, one
+#   "aggregate" row per configuration and concurrency: tok/s median/min/max over the rounds, and a speculative
+#   one's per-round ratio to none), spec_h100_summary.md (the table over every round so far: tok/s median
+#   (min-max), pagoda/vLLM, each speculation's speedup over none taken round by round, median (min-max),
+#   acceptance, the crossover) and logs/CONFIG[.roundN].log.
+#   Environment: ROUNDS (3), CONCURRENCY (1,8,32), OUTPUT_LEN (128), PROMPTS_PER_CONCURRENCY (32: requests at
+#   concurrency C are at least 32 x C, a few seconds a run at 8 and 32), NUM_PROMPTS (48: at least this many a
+#   run, ~7 s at concurrency 1), NUM_WARMUPS (4), K (4), DEVICE (cuda; cpu: a dry run of the pagoda half here),
+#   STOP_AFTER (400: no configuration starts after these seconds, so that a call ends within its 10 minutes;
+#   those left get a row saying so), and PAGODA_ARGS / VLLM_ARGS (more server flags).
 set -uo pipefail
 CARRY=.spec_carry
 PARTS=${SPEC_PARTS:-/root/spec_parts}     # outside the repo copy: kept while the machine stays warm
@@ -111,10 +120,10 @@ bench() {     # device: CONFIG... (default all six)
   PYTHONPATH=$VB_SITE $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
   # DEVICE=cpu: a dry run of the pagoda half on a machine without a GPU.
   $PY -m bench.spec_online run $MODEL --configs $configs --concurrency ${CONCURRENCY:-1,8,32} \
-    --output-len ${OUTPUT_LEN:-128} --prompts-per-concurrency ${PROMPTS_PER_CONCURRENCY:-4} \
-    --num-prompts ${NUM_PROMPTS:-8} --num-warmups ${NUM_WARMUPS:-4} --k ${K:-4} --device ${DEVICE:-cuda} \
+    --rounds ${ROUNDS:-3} --output-len ${OUTPUT_LEN:-128} --prompts-per-concurrency ${PROMPTS_PER_CONCURRENCY:-32} \
+    --num-prompts ${NUM_PROMPTS:-48} --num-warmups ${NUM_WARMUPS:-4} --k ${K:-4} --device ${DEVICE:-cuda} \
     --device-name "${name:-${DEVICE:-cuda}}" --stop-after ${STOP_AFTER:-400} --out $RESULTS/spec_h100.jsonl \
-    --logs $out/logs 2>&1 | grep -E '^(===|RESULT|warm-up)|Error|error' | cut -c1-600
+    --logs $out/logs 2>&1 | grep -E '^(===|RESULT|AGGREGATE|warm-up)|Error|error' | cut -c1-600
   cp $RESULTS/spec_h100.jsonl $out/
   $PY -m bench.spec_online summary $RESULTS/spec_h100.jsonl --md $out/spec_h100_summary.md
 }

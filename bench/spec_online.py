@@ -2,7 +2,7 @@ r"""Online speculative decoding, pagoda beside vLLM: each server configuration i
 serve` (bench/latency.py) with the prompt-lookup-friendly workload (`--dataset-name repeat`, bench/spec_workload.py).
 
     python -m bench.spec_online run MODEL_DIR [--configs pagoda-none,pagoda-ngram,...] [--concurrency 1,8,32] \
-        [--output-len 128] [--prompts-per-concurrency 4] [--num-prompts 8] [--num-warmups 4] [--k 4] \
+        [--rounds 1] [--output-len 128] [--prompts-per-concurrency 4] [--num-prompts 8] [--num-warmups 4] [--k 4] \
         [--dtype bfloat16] [--max-model-len 2048] [--device cuda] [--out FILE] [--logs DIR]
     python -m bench.spec_online summary FILE... [--md OUT.md]
 
@@ -15,18 +15,28 @@ vllm.entrypoints.openai.api_server`), SPEC none, ngram ({"method": "ngram", "num
 prompts for every configuration), and stopped. Every request is a chat request, so both servers apply the
 model's own chat template.
 
+--rounds R runs the configurations R times over, interleaved (none, ngram, none, ngram, ...), each
+configuration's server started afresh every round: drift of the machine over the call then falls on every
+configuration alike, and a configuration's spread across rounds shows how far one measurement can be trusted.
+
 Environment: SPEC_PAGODA_PYTHONPATH / SPEC_VLLM_PYTHONPATH (each server's PYTHONPATH; default: inherited),
 VLLM_PYTHON (default: this python), PAGODA_ARGS / VLLM_ARGS (more flags), SERVER_WAIT (seconds, default 600).
 --stop-after S starts no configuration once S seconds have passed (a device call has a hard time limit); those
 left get a row saying so.
 
-`run` appends one JSON line per configuration and concurrency to --out: output tok/s, TPOT/TTFT medians,
-the acceptance read from the server's /metrics (acceptance rate: accepted / proposed draft tokens; acceptance
-length: tokens per verify step), the server's start-up seconds; a configuration whose server does not come up
-gets one line with its error and the end of its log. `summary` prints the table: per concurrency and
-speculation, both servers' output tok/s and their ratio, each server's speedup over its own run without
-speculation, the acceptance rates, and per server and method the crossover: the lowest concurrency measured
-at which speculation no longer pays (speedup < 1).
+`run` appends one JSON line per configuration, concurrency and round to --out: output tok/s, TPOT/TTFT
+medians, the acceptance read from the server's /metrics (acceptance rate: accepted / proposed draft tokens;
+acceptance length: tokens per verify step), the server's start-up seconds, the round; a configuration whose
+server does not come up gets one line with its error and the end of its log. After the last round it appends
+one `"aggregate": true` line per configuration and concurrency (aggregate()): the output tok/s median, min and
+max across the rounds, and for a speculative configuration its ratio to the same server's `none` in the same
+round (median, min, max over the rounds where both ran). `summary` prints the table from the per-round rows
+(of any number of run files; a round is a run's start date and round number, and a later row of the same
+round, configuration and concurrency replaces an earlier one): per concurrency and speculation, both
+servers' output tok/s (median and min-max over rounds) and the ratio of the medians, each server's speedup
+over its own run without speculation (the per-round ratios' median and min-max), the acceptance rates, and
+per server and method the crossover: the lowest concurrency measured at which speculation no longer pays
+(median speedup < 1).
 """
 
 from __future__ import annotations
@@ -136,13 +146,13 @@ def tail(path: Path, lines: int = 25) -> str:
 
 
 def run_config(config: str, args: argparse.Namespace, meta: dict) -> list[dict]:
-    """Serve one configuration, sweep it with the online client, stop it: its rows."""
+    """Serve one configuration, sweep it with the online client, stop it: its rows (`meta` carries the round)."""
     server, _, spec_name = config.partition("-")
     spec = speculative_config(spec_name, args.model, args.k)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = server_command(server, args, port, spec)
-    log = Path(args.logs) / f"{config}.log"
+    log = Path(args.logs) / (f"{config}.log" if meta["round"] == 1 else f"{config}.round{meta['round']}.log")
     base = {**meta, "config": config, "server": server, "speculation": spec_name, "speculative_config": spec}
     print(f"=== {config}: {shlex.join(cmd)}", flush=True)
     t0 = time.monotonic()
@@ -208,6 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         server, _, spec = config.partition("-")
         if server not in SERVERS or spec not in SPECS:
             raise SystemExit(f"unknown configuration {config!r}: SERVER-SPEC, SERVER in {SERVERS}, SPEC in {SPECS}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,76 +229,141 @@ def cmd_run(args: argparse.Namespace) -> int:
         "model": Path(args.model).name,
         "dtype": args.dtype,
         "output_len": args.output_len,
+        "rounds": args.rounds,
         "workload": "repeat (bench/spec_workload.py), /v1/chat/completions, greedy, ignore_eos",
         "command": "python -m bench.spec_online " + shlex.join(sys.argv[1:]),
     }
     ok = True
     start = time.monotonic()
-    for config in configs:
-        if args.stop_after is not None and time.monotonic() - start > args.stop_after:
-            # A device call has a hard limit: what is left is recorded as not run rather than cut off midway.
-            rows = [{**meta, "config": config, "error": f"not started: past --stop-after {args.stop_after:g} s"}]
-        else:
-            rows = run_config(config, args, meta)
-        ok &= all("error" not in r and r["failed"] == 0 for r in rows)
-        with out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-                print("RESULT", json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}))
+    done: list[dict] = []
+    # Round after round of every configuration in the given order: none, ngram, none, ngram, ...
+    for round_ in range(1, args.rounds + 1):
+        for config in configs:
+            at = {**meta, "round": round_}
+            if args.stop_after is not None and time.monotonic() - start > args.stop_after:
+                # A device call has a hard limit: what is left is recorded as not run rather than cut off midway.
+                rows = [{**at, "config": config, "error": f"not started: past --stop-after {args.stop_after:g} s"}]
+            else:
+                rows = run_config(config, args, at)
+            ok &= all("error" not in r and r["failed"] == 0 for r in rows)
+            done += rows
+            with out.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+                    print("RESULT", json.dumps({k: v for k, v in row.items() if k not in ("command", "log_tail")}))
+    with out.open("a") as f:
+        for row in aggregate(done):
+            f.write(json.dumps({**meta, **row}) + "\n")
+            print("AGGREGATE", json.dumps(row))
     return 0 if ok else 1
 
 
-def summarize(rows: list[dict]) -> str:
-    """The markdown table of `summary` (the latest row of each configuration and concurrency counts)."""
-    tok_s: dict[tuple[str, str, int], float] = {}
-    acc: dict[tuple[str, str, int], float | None] = {}
-    errors: dict[str, str] = {}  # config -> its last error, unless a later row of it ran
+def _spread(values: list[float]) -> dict[str, float | int]:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"median": median, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def _rounds(rows: list[dict]) -> dict[tuple, dict]:
+    """The rows that ran, by (server, speculation, concurrency, round): a round is (date, round), the run's start
+    and its round number (rows from before rounds have neither); a later row of the same key replaces an
+    earlier one."""
+    latest: dict[tuple, dict] = {}
     for r in rows:
+        if "error" not in r and not r.get("aggregate"):
+            latest[(r["server"], r["speculation"], r["concurrency"], (r.get("date"), r.get("round")))] = r
+    return latest
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Per server, speculation and concurrency: output tok/s across rounds (median, min, max, n) and, for a
+    speculative configuration, its per-round ratio to the same server's `none` (the rounds where both ran)."""
+    latest = _rounds(rows)
+    groups: dict[tuple, dict] = {}
+    for (server, spec, c, round_), r in latest.items():
+        groups.setdefault((server, spec, c), {})[round_] = r["output_tok_s"]
+    out = []
+    for (server, spec, c), by_round in groups.items():
+        row: dict = {"aggregate": True, "config": f"{server}-{spec}", "server": server, "speculation": spec}
+        row |= {"concurrency": c, "output_tok_s": _spread(list(by_round.values()))}
+        base = groups.get((server, "none", c), {})
+        ratios = [tok_s / base[k] for k, tok_s in by_round.items() if base.get(k)]
+        if spec != "none" and ratios:
+            row["speedup_vs_none"] = _spread(ratios)
+        out.append(row)
+    return out
+
+
+def summarize(rows: list[dict]) -> str:
+    """The markdown table of `summary`, from the per-round rows (aggregate() over them)."""
+    stats = {(a["server"], a["speculation"], a["concurrency"]): a for a in aggregate(rows)}
+    acc: dict[tuple[str, str, int], float | None] = {}
+    for (server, spec, c, _), r in sorted(_rounds(rows).items(), key=lambda kv: (kv[0][3][0] or "", kv[0][3][1] or 0)):
+        acc[(server, spec, c)] = r.get("acceptance_rate")  # the latest round's
+    errors: dict[str, str] = {}  # config -> its last error, unless a later row of it ran (rounds in run order)
+    for r in rows:
+        if r.get("aggregate"):
+            continue
         if "error" in r:
             errors[r["config"]] = r["error"]
-            continue
-        errors.pop(r["config"], None)
-        key = (r["server"], r["speculation"], r["concurrency"])
-        tok_s[key] = r["output_tok_s"]
-        acc[key] = r.get("acceptance_rate")
-    concurrencies = sorted({c for _, _, c in tok_s})
+        else:
+            errors.pop(r["config"], None)
+    concurrencies = sorted({c for _, _, c in stats})
 
     def fmt(v: float | None, digits: int = 2) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
-    def speedup(server: str, spec: str, c: int) -> float | None:
-        base, got = tok_s.get((server, "none", c)), tok_s.get((server, spec, c))
-        return got / base if base and got is not None else None
+    def spread(s: dict | None, digits: int) -> str:
+        if s is None:
+            return "-"
+        if s["n"] == 1:
+            return fmt(s["median"], digits)
+        return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
+
+    def tok_s(server: str, spec: str, c: int) -> dict | None:
+        return stats[(server, spec, c)]["output_tok_s"] if (server, spec, c) in stats else None
+
+    def speedup(server: str, spec: str, c: int) -> dict | None:
+        if spec == "none":
+            return {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1} if (server, spec, c) in stats else None
+        return stats.get((server, spec, c), {}).get("speedup_vs_none")
 
     lines = [
         "| concurrency | speculation | pagoda out tok/s | vLLM out tok/s | pagoda / vLLM | pagoda speedup | "
-        "vLLM speedup | pagoda acceptance | vLLM acceptance |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vLLM speedup | pagoda acceptance | vLLM acceptance | rounds (pagoda, vLLM) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in concurrencies:
         for spec in SPECS:
-            p, v = tok_s.get(("pagoda", spec, c)), tok_s.get(("vllm", spec, c))
+            p, v = tok_s("pagoda", spec, c), tok_s("vllm", spec, c)
             if p is None and v is None:
                 continue
-            ratio = p / v if p is not None and v else None
+            ratio = p["median"] / v["median"] if p is not None and v else None
+            rounds = f"{p['n'] if p else 0}, {v['n'] if v else 0}"
             lines.append(
-                f"| {c} | {spec} | {fmt(p, 1)} | {fmt(v, 1)} | {fmt(ratio)} | {fmt(speedup('pagoda', spec, c))} | "
-                f"{fmt(speedup('vllm', spec, c))} | {fmt(acc.get(('pagoda', spec, c)), 3)} | "
-                f"{fmt(acc.get(('vllm', spec, c)), 3)} |"
+                f"| {c} | {spec} | {spread(p, 1)} | {spread(v, 1)} | {fmt(ratio)} | "
+                f"{spread(speedup('pagoda', spec, c), 2)} | {spread(speedup('vllm', spec, c), 2)} | "
+                f"{fmt(acc.get(('pagoda', spec, c)), 3)} | {fmt(acc.get(('vllm', spec, c)), 3)} | {rounds} |"
             )
     lines.append("")
-    lines.append("Speedup: output tok/s over the same server without speculation at that concurrency.")
-    lines.append("Crossover (the lowest concurrency measured where speculation no longer pays):")
+    lines.append(
+        "Out tok/s: median (min-max) over the rounds. Speedup: output tok/s over the same server without"
+        " speculation in the same round, median (min-max) over the rounds where both ran."
+    )
+    lines.append("Crossover (the lowest concurrency measured where speculation no longer pays, by the median):")
     for server in SERVERS:
         for spec in SPECS[1:]:
-            measured = [(c, speedup(server, spec, c)) for c in concurrencies if speedup(server, spec, c) is not None]
+            measured = [(c, s) for c in concurrencies if (s := speedup(server, spec, c)) is not None]
             if not measured:
                 continue
-            losing = [c for c, s in measured if s < 1.0]
+            losing = [c for c, s in measured if s["median"] < 1.0]
             where = f"concurrency {losing[0]}" if losing else f"none up to concurrency {measured[-1][0]}"
-            lines.append(f"- {server} {spec}: {where} (" + ", ".join(f"c{c} {s:.2f}x" for c, s in measured) + ")")
+            lines.append(
+                f"- {server} {spec}: {where} (" + ", ".join(f"c{c} {s['median']:.2f}x" for c, s in measured) + ")"
+            )
     if errors:
-        lines += ["", "Configurations that did not run:", *(f"- {c}: {e}" for c, e in errors.items())]
+        lines += ["", "Configurations whose latest round did not run:", *(f"- {c}: {e}" for c, e in errors.items())]
     return "\n".join(lines)
 
 
@@ -307,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="SERVER-SPEC,... in order")
     run.add_argument("--concurrency", default="1,8,32", help="C1,C2,...: one run per concurrency")
     run.add_argument("--output-len", type=int, default=128, help="tokens out per request (ignore_eos)")
+    run.add_argument("--rounds", type=int, default=1, help="run the configurations this many times over, interleaved")
     run.add_argument("--prompts-per-concurrency", type=int, default=4, help="at least K x C requests a run")
     run.add_argument("--num-prompts", type=int, default=8, help="at least this many requests a run")
     run.add_argument("--num-warmups", type=int, default=4, help="warm-up requests per server, not counted")

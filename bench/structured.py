@@ -5,6 +5,7 @@
     python bench/structured.py run DIR --engine pagoda --grammar-inline  # the grammar work on the engine thread
     python bench/structured.py run DIR --engine vllm   [--plain]
     python bench/structured.py fills DIR                     # the host cost of a step's grammar work
+    python bench/structured.py summary FILE [--md OUT.md]    # the table of structured.jsonl's rows
 
 W2 as everywhere (256 requests, prompt and output lengths U[100, 1024], numpy seed 0, dummy weights,
 greedy, ignore_eos), with a tokenizer: grammars are compiled against a vocabulary, and no model hub
@@ -18,9 +19,16 @@ constraining a request once its grammar has terminated (ignore_eos runs on past 
 string maxLength: xgrammar checks such a string's tokens one by one (~340 us a row per step on this
 tokenizer, against ~5 us without), a cost both engines would pay alike.
 
-Reported per run: output tok/s, and for pagoda the grammar compile time and the host time per step
-of each phase of the engine's step (`host_ms_per_step`: collect includes the wait for the device; the
-phases nest, see _time_phases).
+Every run's outputs are checked the same way for both engines (check_outputs): a complete one (finish
+"stop") must validate against SCHEMA with jsonschema, one cut at max_tokens ("length") must be a prefix
+of a document SCHEMA accepts (an xgrammar matcher of SCHEMA, any whitespace, extra properties allowed,
+fed the text). A constrained run with an invalid output, or whose outputs could not be checked, is
+flagged in its row (`outputs_ok`) and in `summary`'s table, which then compares no throughput with it.
+
+Reported per run: output tok/s from the tokens each request actually produced (and the tokens
+requested, sum of max_tokens), the output check, and for pagoda the grammar compile time and the host
+time per step of each phase of the engine's step (`host_ms_per_step`: collect includes the wait for
+the device; the phases nest, see _time_phases).
 """
 
 from __future__ import annotations
@@ -108,23 +116,87 @@ def write_model(path: Path) -> None:
     )
 
 
-def workload():
-    # The vLLM peer's W2 (numpy seed 0): the same prompts and output lengths.
-    return ranged_workload(256, 100, 1024, 151936, 0)
+def workload(requests: int = 256, low: int = 100, high: int = 1024):
+    # The vLLM peer's W2 (numpy seed 0): the same prompts and output lengths (ids below 10,000, any vocabulary).
+    return ranged_workload(requests, low, high, 151936, 0)
 
 
-def run_pagoda(model: str, constrained: bool, grammar_inline: bool = False) -> dict:
+def check_outputs(outputs: list[tuple[str, str | None]], schema: dict = SCHEMA) -> dict:
+    """Count (text, finish_reason) outputs against `schema`: valid (finish "stop", the text a JSON document
+    jsonschema accepts), prefix (finish "length", the text a prefix of a document the schema accepts), invalid
+    (anything else, the first one's start kept as `invalid_example`). `checked` False says why nothing was.
+
+    The prefix check is an xgrammar matcher of the schema with any whitespace, extra properties and any
+    property order allowed (what JSON Schema itself allows), so neither engine's grammar options decide the
+    verdict."""
+    counts: dict = {"valid": 0, "prefix": 0, "invalid": 0}
+    try:
+        import jsonschema
+        import xgrammar as xgr
+    except ImportError as e:  # the device image may lack jsonschema: carry it (structured.sh, XGR_WHEELS)
+        return {**counts, "checked": False, "why": f"cannot import {e.name}"}
+    # The matcher checks characters, not tokens: a one-token vocabulary is enough to compile against.
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["{"])).compile_json_schema(
+        json.dumps(schema), any_whitespace=True, strict_mode=False, any_order=True
+    )
+    for text, finish in outputs:
+        if finish == "stop":
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                ok = True
+            except (ValueError, jsonschema.ValidationError):  # JSONDecodeError is a ValueError
+                ok = False
+        else:
+            # A byte-level detokenizer may end a cut output in a partial character, decoded as U+FFFD; inside
+            # a JSON string (the only place a multi-byte character can be) the matcher takes it as any other.
+            ok = finish == "length" and xgr.GrammarMatcher(compiled, terminate_without_stop_token=True).accept_string(
+                text
+            )
+        kind = ("valid" if finish == "stop" else "prefix") if ok else "invalid"
+        counts[kind] += 1
+        if not ok and "invalid_example" not in counts:
+            counts["invalid_example"] = {"finish_reason": finish, "text": text[:200]}
+    return {**counts, "checked": True}
+
+
+def _result(engine: str, outputs: list[tuple[str, str | None, int]], outs: list[int], elapsed: float) -> dict:
+    """The fields both engines report: tokens produced (each request's output token ids), tokens requested, out
+    tok/s from those produced, and the output check."""
+    tokens = sum(n for _, _, n in outputs)
+    return dict(
+        engine=engine,
+        requests=len(outs),
+        elapsed_s=elapsed,
+        output_tokens=tokens,
+        requested_tokens=sum(outs),
+        output_tok_s=tokens / elapsed,
+        outputs=check_outputs([(text, finish) for text, finish, _ in outputs]),
+    )
+
+
+def run_pagoda(
+    model: str,
+    constrained: bool,
+    grammar_inline: bool = False,
+    requests: int = 256,
+    lengths: tuple[int, int] = (100, 1024),
+    **engine_kwargs,
+) -> dict:
+    """`engine_kwargs` go to pagoda's LLM over the defaults here (dtype, load_format, max_model_len)."""
     from engine import LLM, SamplingParams
     from engine.sampling_params import Constraint
 
-    prompts, outs = workload()
+    prompts, outs = workload(requests, *lengths)
     t0 = time.perf_counter()
     llm = LLM(
         model,
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=4096,
-        grammar_thread_min_rows=0 if grammar_inline else 16,  # the engine default is 0 (inline)
+        **{
+            "dtype": "bfloat16",
+            "load_format": "dummy",
+            "max_model_len": 4096,
+            "grammar_thread_min_rows": 0 if grammar_inline else 16,  # the engine default is 0 (inline)
+            **engine_kwargs,
+        },
     )
     load_s = time.perf_counter() - t0
     constraint = Constraint("json", json.dumps(SCHEMA)) if constrained else None
@@ -144,21 +216,13 @@ def run_pagoda(model: str, constrained: bool, grammar_inline: bool = False) -> d
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
     steps = phases.pop("step")
     extra.update(steps=steps[1], host_ms_per_step={k: round(1e3 * t / steps[1], 3) for k, (t, _) in phases.items()})
     extra["host_ms_per_step"]["step"] = round(1e3 * steps[0] / steps[1], 3)
     if constrained:
         extra["valid_json_prefixes"] = _prefixes_ok(llm, constraint, results)
-    return dict(
-        engine="pagoda",
-        xgrammar=version("xgrammar"),
-        elapsed_s=elapsed,
-        output_tokens=tokens,
-        output_tok_s=tokens / elapsed,
-        load_s=load_s,
-        **extra,
-    )
+    outputs = [(r.outputs[0].text, r.outputs[0].finish_reason, len(r.outputs[0].token_ids)) for r in results]
+    return dict(**_result("pagoda", outputs, outs, elapsed), xgrammar=version("xgrammar"), load_s=load_s, **extra)
 
 
 def _time_phases(engine) -> dict[str, list[float]]:
@@ -212,15 +276,28 @@ def _prefixes_ok(llm, constraint, results) -> int:
     return ok
 
 
-def run_vllm(model: str, constrained: bool) -> dict:
+def run_vllm(model: str, constrained: bool, requests: int = 256, lengths: tuple[int, int] = (100, 1024)) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    prompts, outs = workload()
+    prompts, outs = workload(requests, *lengths)
     t0 = time.perf_counter()
+    # vLLM 0.26 offline takes the schema as SamplingParams.structured_outputs = StructuredOutputsParams(json=...)
+    # (vllm/sampling_params.py; its OpenAI server maps response_format {"type": "json_schema"} onto the same
+    # field, vllm/entrypoints/openai/engine/protocol.py structured_outputs_from_response_format). The
+    # backend is named, not "auto": auto falls back to guidance or outlines for a schema xgrammar rejects, and
+    # pagoda uses xgrammar. vLLM's xgrammar compiles JSON schemas with any_whitespace unless
+    # disable_any_whitespace; pagoda compiles with any_whitespace=False, so both compile the same grammar.
+    so_config = {"backend": "xgrammar", "disable_any_whitespace": True}
     llm = LLM(
-        model=model, load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096, gpu_memory_utilization=0.9
+        model=model,
+        load_format="dummy",
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=4096,
+        gpu_memory_utilization=0.9,
+        structured_outputs_config=so_config,
     )
     load_s = time.perf_counter() - t0
 
@@ -232,13 +309,12 @@ def run_vllm(model: str, constrained: bool) -> dict:
     t0 = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], [sp(n) for n in outs], use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    outputs = [(r.outputs[0].text, r.outputs[0].finish_reason, len(r.outputs[0].token_ids)) for r in results]
     return dict(
-        engine="vllm",
+        **_result("vllm", outputs, outs, elapsed),
         vllm_version=vllm.__version__,
-        elapsed_s=elapsed,
-        output_tokens=tokens,
-        output_tok_s=tokens / elapsed,
+        xgrammar=version("xgrammar"),
+        structured_outputs_config=so_config,
         load_s=load_s,
     )
 
@@ -291,10 +367,79 @@ def fill_costs(model: str) -> dict:
     return row
 
 
+def _status(row: dict) -> str:
+    """ok, or why a row's throughput must not be compared: invalid outputs, or outputs never checked."""
+    if "error" in row:
+        return f"did not run: {row['error']}"
+    check = row.get("outputs")
+    if check is None:
+        return "outputs unchecked (a row from before the check)"
+    if not check.get("checked"):
+        return f"outputs unchecked ({check.get('why')})"
+    if row["constrained"] and check["invalid"]:
+        return f"INVALID OUTPUTS: {check['invalid']} of {row.get('requests', '?')}"
+    return "ok"
+
+
+def summarize(rows: list[dict]) -> str:
+    """The markdown table of `summary`: per engine and run kind the out tok/s of every row (median, min-max), the
+    tokens produced against those requested, the output check, and the ratios of constrained runs, each only
+    between kinds all of whose rows are ok (an unconstrained run's outputs are checked but never held to the
+    schema)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        kind = (
+            r["engine"]
+            + ("" if r.get("constrained", True) else "-plain")
+            + ("-inline" if r.get("grammar_inline") else "")
+        )
+        groups.setdefault(kind, []).append(r)
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+    lines = [
+        "| run | rows | out tok/s median (min-max) | tokens produced / requested | valid / prefix / invalid | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    tok_s: dict[str, float] = {}
+    clean: dict[str, bool] = {}
+    for kind, rs in groups.items():
+        ran = [r for r in rs if "error" not in r]
+        statuses = sorted({_status(r) for r in rs})
+        clean[kind] = statuses == ["ok"]
+        speeds = [r["output_tok_s"] for r in ran]
+        if speeds:
+            tok_s[kind] = median(speeds)
+        speed = f"{tok_s[kind]:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f})" if speeds else "-"
+        produced = "; ".join(
+            f"{r['output_tokens']:,} / {r['requested_tokens']:,}" for r in ran if "requested_tokens" in r
+        )
+        checks = "; ".join(
+            f"{c['valid']} / {c['prefix']} / {c['invalid']}"
+            for r in ran
+            if (c := r.get("outputs")) and c.get("checked")
+        )
+        lines.append(f"| {kind} | {len(rs)} | {speed} | {produced or '-'} | {checks or '-'} | {'; '.join(statuses)} |")
+    lines += ["", "Ratios of medians (only where every row of both runs is ok):"]
+    pairs = [(p, "vllm") for p in ("pagoda", "pagoda-inline")] + [(e, f"{e}-plain") for e in ("pagoda", "vllm")]
+    for a, b in pairs:
+        if a not in groups or b not in groups:
+            continue
+        if clean[a] and clean[b] and a in tok_s and b in tok_s:
+            lines.append(f"- {a} / {b}: {tok_s[a] / tok_s[b]:.3f}")
+        else:
+            bad = ", ".join(k for k in (a, b) if not clean[k])
+            lines.append(f"- {a} / {b}: not compared ({bad} not ok)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["model", "run", "fills"])
-    parser.add_argument("dir")
+    parser.add_argument("what", choices=["model", "run", "fills", "summary"])
+    parser.add_argument("dir", help="the model directory (summary: the structured.jsonl file)")
+    parser.add_argument("--md", default=None, help="summary: also write the table here")
     parser.add_argument("--engine", choices=["pagoda", "vllm"], default="pagoda")
     parser.add_argument("--plain", action="store_true", help="the same workload without a schema")
     parser.add_argument(
@@ -306,6 +451,12 @@ def main() -> None:
     if args.what == "model":
         write_model(Path(args.dir))
         return
+    if args.what == "summary":
+        table = summarize([json.loads(line) for line in Path(args.dir).read_text().splitlines() if line.strip()])
+        print(table)
+        if args.md:
+            Path(args.md).write_text(table + "\n")
+        return
     if args.what == "fills":
         print(json.dumps({"what": "fill_costs", **fill_costs(args.dir)}), flush=True)
         return
@@ -314,6 +465,7 @@ def main() -> None:
     else:
         result = run_vllm(args.dir, not args.plain)
     row = {"workload": "w2", "constrained": not args.plain, "grammar_inline": args.grammar_inline, **result}
+    row["outputs_ok"] = _status(row) == "ok"
     print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "/tmp")) / "structured.jsonl"
     with out.open("a") as f:
