@@ -455,11 +455,11 @@ class PrefillTiles:
 # cuDNN's dense causal attention there. The folded scale gained 3% there (283 -> 292 TFLOP/s at 8 x 2k,
 # 336 -> 346 at 2 x 8k). fp8: the same tiles, widened by the asm bit moves (in a prefill tile every K/V
 # byte feeds 64 query rows, so widening costs less than in decode; words / f16 were no faster on the H200,
-# bench/results/2026-11-26-h200-*-decode-tiles-words.jsonl). `bash bench/gpu_check.sh decode-tiles` times other tilings over fp8 on the H100
-# (bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl): block_m 128 is no faster for 16 x 512-token
-# prompts (195.7-243 us against 196.1) and slower for 64 one-token rows (89.8-114.5 against 55.5 us);
-# block_n 128 is 13% faster for those rows (48.8 us) and 4% slower for the prompts (204 us), so the
-# 64 x 64 tiles stay.
+# bench/results/2026-11-26-h200-decd8d2-decode-tiles-words.jsonl). `bash bench/gpu_check.sh decode-tiles`
+# times other tilings over fp8 (H100: bench/results/2026-11-25-h100-6a8c92f-decode-tiles.jsonl): block_m
+# 128 is no faster for 16 x 512-token prompts (195.7-243 us against 196.1) and slower for 64 one-token rows
+# (89.8-114.5 against 55.5 us); block_n 128 is 13% faster for those rows (48.8 us) and 4% slower for the
+# prompts (204 us), so the 64 x 64 tiles stay.
 PREFILL_TILES = {"16bit": PrefillTiles(), "fp8": PrefillTiles(widen="asm")}
 
 

@@ -204,7 +204,7 @@ class DecodeTiles:
 # kernel gathered fp8 V bytes one at a time through shared memory for P @ V and spent 58% of its instructions
 # on integer widening (Nsight Compute, H200, W2 shape: DRAM 33% busy, ALU 61%). Two fp8 tilings, picked by
 # programs per SM (sequences x KV heads / SMs, known at launch; bench/gpu_check.sh decode-tiles, H200,
-# bench/results/2026-11-26-h200-*-decode-tiles-words.jsonl): with many short programs (W2: 256 sequences of
+# bench/results/2026-11-26-h200-decd8d2-decode-tiles-words.jsonl): with many short programs (W2: 256 sequences of
 # U[100, 1280] keys, 15 programs per SM) 128-key tiles and 3 stages, 153 us against 175 us for the asm
 # widening before it and 181 us for a bf16 cache; with few long ones (64 x 8k keys, 64 x 512; 4 per SM)
 # 64-key tiles, 394 / 30.8 us against 423 / 32.3 (asm) and 478 / 35.7 (bf16), where the 128-key tiling
