@@ -309,6 +309,32 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     )
 
 
+def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
+    """The 8-bit GEMM as ScaledLinear launches it on bf16 activations (K a multiple of BLOCK_K, pointers and
+    K-sized integers divisible by 16, as Triton specializes a launch at the 8B's shapes), compiled for `arch`
+    without a GPU (bench/quant_sass.loop_stats reads its main loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels.w8a8 import _scaled_gemm_kernel
+
+    q = "*i8" if int8 else "*fp8e4nv"
+    part = "*i32" if int8 and not fused else "*fp32"
+    signature = {"a_ptr": "*bf16" if fused else q, "b_ptr": q, "as_ptr": "*fp32", "bs_ptr": "*fp32",
+                 "out_ptr": "*bf16", "part_ptr": part, "count_ptr": "*i32"}  # fmt: skip
+    signature |= dict.fromkeys(("M", "N", "K", "sam", "span", "SPLIT"), "i32")
+    constexprs = {"QMAX": 127.0 if int8 else 448.0, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+                  "BLOCK_K": tiles.block_k, "INT8": int8, "FUSED": fused, "EVEN_K": True}  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    names = list(signature)
+    divisible = [names.index(n) for n in signature if n.endswith("_ptr") or n in ("N", "K", "sam", "span")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    src = ASTSource(_scaled_gemm_kernel, signature, constexprs, attrs)
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def _time_graph(call) -> float:
     """Microseconds a call takes replayed from a CUDA graph (as a decode step runs it: no launch overhead
     beyond the graph's); off CUDA (a dry run) one call's wall time."""

@@ -121,8 +121,8 @@ def _scaled_gemm_kernel(
     k_end = tl.minimum((pid_k + 1) * span, K)
     for k0 in range(pid_k * span, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        # EVEN_K (BLOCK_K divides K, so every step is whole): no mask along K, which lets the loads be 16-byte
-        # vectors (a mask varying along the contiguous axis makes them byte loads).
+        # EVEN_K (BLOCK_K divides K, so every step is whole): no mask along K to compute each step (~10 of the
+        # unfused main loop's 70 to 150 instructions on sm_90).
         mask_k = (offs_k < k_end) | EVEN_K
         a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * sam + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
