@@ -290,7 +290,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
 
 def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     """The 8-bit GEMM's tiles the sweep tries for BLOCK_M bm: 32..256 outputs by 128 or 256 inputs a step, 4 or
-    8 warps, 3 to 5 stages, unfused and fused, keeping at most 128 accumulators a thread. Breadth first, so a
+    8 warps, 3 to 5 stages, unfused and fused, keeping at most 128 accumulators a thread and the stages' tiles
+    within 200 KiB of shared memory (an H100 SM has 227; bf16 activations when fused). Breadth first, so a
     sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two programs per
     SM, then four, then unsplit (a split keeps two steps per program); 4 warps and 4 stages first, unfused and
     fused side by side, in one order for every shape (later shapes reuse the compiled kernels)."""
@@ -302,7 +303,7 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
         for bn in (64, 128, 32, 256)
         for bk in (128, 256)
         for fused in (False, True)
-        if k % bk == 0 and bm * bn // (32 * nw) <= 128
+        if k % bk == 0 and bm * bn // (32 * nw) <= 128 and ns * ((1 + fused) * bm + bn) * bk <= 200 * 1024
     ]
     return _split_breadth_first(
         kernels, n, k, num_sms, lambda split, bn, bk, *rest: W8A8Tiles(bm, bn, bk, split, *rest)
@@ -420,12 +421,13 @@ def sweep_w8a8(
     for i, (kind, bm, k, n) in enumerate(combos):
         stop = time.monotonic() + max(0.0, deadline - time.monotonic()) * weights[i] / sum(weights[i:])
         qdtype = FP8 if kind == "fp8" else torch.int8
-        g = torch.Generator().manual_seed(k + n + bm)
-        wq, ws = quantize_per_row(torch.randn(n, k, generator=g).to(device) * 0.02, qdtype)
+        g = torch.Generator(device=device).manual_seed(k + n + bm)
+        wq, ws = quantize_per_row(torch.randn(n, k, generator=g, device=device) * 0.02, qdtype)
         ws = ws.reshape(1, -1).contiguous()
         counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
         rows = (1, 16) if bm == 16 else (64,)
-        xs = {m: (_exact_rows(m, k, g) if dry_run else torch.randn(m, k, generator=g)).to(device, dtype) for m in rows}
+        xs = {m: _exact_rows(m, k, g) if dry_run else torch.randn(m, k, generator=g, device=device) for m in rows}
+        xs = {m: x.to(dtype) for m, x in xs.items()}
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
         rule = w8a8_rule(bm, bm, n, k, sms)
