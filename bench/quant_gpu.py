@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from bench.naming import device_tag, results_path, short_commit
+from engine.kernels.quant_tiles import W8A8Tiles
 from engine.layers.linear import FP8, ScaledLinear, WeightOnlyLinear, quantize_per_row
 from engine.quant import quantize_rtn
 
@@ -288,6 +289,11 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     return entries
 
 
+# The tiles every shape took before the split-K rule (int8 up to 16 rows on main): timed at 1 and 16 rows beside
+# it ("main's" in the sweep's lines), so a table or rule that would be slower shows.
+MAIN_W8A8_TILES = W8A8Tiles(16, 32, 128, 1, num_warps=4, num_stages=4)
+
+
 def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     """The 8-bit GEMM's tiles the sweep tries for BLOCK_M bm: 32..256 outputs by 128 or 256 inputs a step, 4 or
     8 warps, 3 to 5 stages, unfused and fused, keeping at most 128 accumulators a thread and the stages' tiles
@@ -295,8 +301,6 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two programs per
     SM, then four, then unsplit (a split keeps two steps per program); 4 warps and 4 stages first, unfused and
     fused side by side, in one order for every shape (later shapes reuse the compiled kernels)."""
-    from engine.kernels.quant_tiles import W8A8Tiles
-
     kernels = [
         (bn, bk, nw, ns, fused)
         for nw, ns in ((4, 4), (4, 3), (8, 4), (4, 5), (8, 3))
@@ -399,14 +403,14 @@ def sweep_w8a8(
     out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
 ) -> list[str]:
     """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
-    first: the rule's tiles, then candidates (w8a8_candidates) until the shape's share of `budget_s` (fp8
-    shares weigh twice int8's), each checked against its reference (unfused: the per-row product; fused:
-    block_scaled_matmul at its BLOCK_K; within 1%) with its counters left zeroed, then timed from a CUDA
-    graph: unfused as quantize_rows + the GEMM, fused alone, beside quantize_rows + torch._scaled_mm (int8:
-    + torch._int_mm, padded to 32 rows, and the scaling). The 16-row tiles serve 1 to 16 rows, so each is
-    timed at 1 and 16 and ranked by the sum. Per kind and rows the layer's totals (the four matmuls), the
-    rows at which the Triton GEMM wins (FP8_TRITON_MAX_M / INT8_TRITON_MAX_M), and W8A8_TABLE entries, which
-    it prints and returns."""
+    first: the rule's tiles (unfused and fused), main's unsplit tiles, then candidates (w8a8_candidates) until
+    the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
+    (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
+    left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
+    quantize_rows + torch._scaled_mm (int8: + torch._int_mm, padded to 32 rows, and the scaling). The 16-row
+    tiles serve 1 to 16 rows, so each is timed at 1 and 16 and ranked by the sum. Per kind and rows the
+    layer's totals (the four matmuls), the rows at which the Triton GEMM wins (FP8_TRITON_MAX_M /
+    INT8_TRITON_MAX_M), and W8A8_TABLE entries, which it prints and returns."""
     from engine.kernels.quant_gemm import _num_sms
     from engine.kernels.w8a8 import w8a8_rule
 
@@ -431,11 +435,11 @@ def sweep_w8a8(
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
         rule = w8a8_rule(bm, bm, n, k, sms)
-        candidates = [rule, replace(rule, fused=True)]
+        candidates = [rule, replace(rule, fused=True), *([MAIN_W8A8_TILES] if bm == 16 else [])]
         candidates += [c for c in w8a8_candidates(bm, n, k, sms) if c not in candidates]
         timed, failed = {}, []
         for config in candidates[:3] if dry_run else candidates:
-            if len(timed) >= 2 and time.monotonic() > stop:
+            if len(timed) >= 3 and time.monotonic() > stop:
                 break
             try:  # a kernel this Triton fails to compile is skipped
                 for m in rows:
@@ -460,6 +464,7 @@ def sweep_w8a8(
             us = {
                 "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
                 "rule": timed.get(rule, {}).get(m, float("nan")),
+                "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
                 "unfused": timed[by_kind[False]][m] if by_kind[False] else float("nan"),
                 "fused": timed[by_kind[True]][m] if by_kind[True] else float("nan"),
                 "best": timed[best][m],
@@ -479,7 +484,8 @@ def sweep_w8a8(
             torch_name = "_scaled_mm" if kind == "fp8" else "_int_mm"
             _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:30} {us['best']:7.1f} us "
                             f"{nbytes / us['best'] / 1e3:6.0f} GB/s ({len(timed)} tried) | unfused "
-                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | "
+                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | main's "
+                            f"{us['main']:7.1f} | "
                             f"quantize_rows+{torch_name} {us['torch']:7.1f}")  # fmt: skip
         entries.append(f"    ({kind!r}, {k}, {n}, {bm}): {best!r},")
     for (kind, m), tot in totals.items():
@@ -487,7 +493,8 @@ def sweep_w8a8(
             f"{key}_us": round(v, 2) for key, v in tot.items()
         }
         _emit(out, summary, f"{kind} layer at m={m:2}: quantize_rows+torch {tot['torch']:.1f} us, rule "
-                            f"{tot['rule']:.1f}, best unfused {tot['unfused']:.1f}, best fused {tot['fused']:.1f}, "
+                            f"{tot['rule']:.1f}, main's tiles {tot['main']:.1f}, best unfused {tot['unfused']:.1f}, "
+                            f"best fused {tot['fused']:.1f}, "
                             f"best {tot['best']:.1f} (torch / best = {tot['torch'] / tot['best']:.2f}x; shapes "
                             f"that failed count 0)")  # fmt: skip
     for kind in kinds:
