@@ -43,8 +43,10 @@ for step in "$@"; do
     # quant-kernels: the CUDA quant kernel tests, per-layer times, then the tile sweeps (decode GEMV first, then
     # the activation quantizer and the int8 GEMM), all cut at 8 minutes from the step's start (results so far
     # are printed and in $OUT/quant-gpu.jsonl); quant-sweep the sweeps alone, cut likewise (QUANT_SWEEP="gemv"
-    # or "w8a8": one of them; "mid": the decode tl.dot kernel at 16 and 64 rows, which stops its candidates at
-    # its own budget, QUANT_BUDGET seconds, 360 by default, and prints the per-layer totals at 16 and 64 rows).
+    # or "w8a8": one of them; "mid": the decode tl.dot kernel at 16 and 64 rows; "w8a8" the W8A8 8-bit GEMM
+    # (split K, unfused and fused, CUDA-graph timed beside quantize_rows + torch._scaled_mm / _int_mm) at 1, 16
+    # and 64 rows, QUANT_W8A8_KINDS "fp8 int8" by default, fp8 first; mid and w8a8 stop their candidates at
+    # their own budget, QUANT_BUDGET seconds, 360 by default, and print the per-layer totals per rows).
     # Compact lines: shape, best tiles, us, GB/s beside the alternatives, and the entries for
     # engine/kernels/quant_tiles.py.
     quant-kernels) start=$SECONDS
@@ -53,7 +55,7 @@ for step in "$@"; do
            timeout $((480 - (SECONDS - start))) python3 -m bench.quant_gpu --batch 1 16 64 --sweep \
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
-             --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
+             --w8a8-kinds ${QUANT_W8A8_KINDS:-fp8 int8} --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;

@@ -4,13 +4,15 @@ batches, each checked against its reference first. One decoder layer's four matm
 "layer_us" is the linear time of one layer of a decode step.
 
     python -m bench.quant_gpu [--batch 1 16 64 256] [--sweep [gemv] [mid] [w8a8]] [--no-layers] [--budget S]
-    (CUDA; results: bench-results naming)
+        [--w8a8-kinds fp8 int8]   (CUDA; results: bench-results naming)
     TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep mid --dry-run   (CPU: tiny shapes, no timing worth reading)
+    TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep w8a8 --dry-run
 
 --sweep times candidate tiles, each checked against its reference first, and prints the fastest as entries
 for engine/kernels/quant_tiles.py: `gemv` the W4A16 g128 / W8A16 decode GEMV per layer shape at batch 1 (and
 GEMV vs tl.dot at 2 and 4 rows), `mid` the decode tl.dot kernel at 16 and 64 rows (MID_TABLE; cut at --budget
-seconds), `w8a8` the activation quantizer and the 8-bit GEMM (int8, fp8).
+seconds), `w8a8` the W8A8 8-bit GEMM (split K, unfused and fused) at 1, 16 and 64 rows, fp8 then int8
+(W8A8_TABLE and the row thresholds; cut at --budget seconds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import datetime
 import json
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from bench.naming import device_tag, results_path, short_commit
+from engine.kernels.quant_tiles import W8A8Tiles
 from engine.layers.linear import FP8, ScaledLinear, WeightOnlyLinear, quantize_per_row
 from engine.quant import quantize_rtn
 
@@ -183,12 +187,19 @@ def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132) -> li
         for ns in (3, 4)
         if group % bk == 0 and k % bk == 0 and bm * bn // (32 * nw) <= 64
     ]
+    return _split_breadth_first(kernels, n, k, num_sms, lambda split, bn, bk, *rest: MidTiles(bm, bn, bk, split, *rest))
+
+
+def _split_breadth_first(kernels: list[tuple], n: int, k: int, num_sms: int, make) -> list:
+    """Tiles make(split, *kernel) for each kernel (BLOCK_N, BLOCK_K first) with K split for about two programs
+    per SM, then four, then unsplit (a split keeps two steps per program), in that order, without repeats."""
     found: dict = {}  # ordered, without repeats
     for per_sm in (2, 4, 0):
-        for bn, bk, nw, ns, trans in kernels:
+        for kernel in kernels:
+            bn, bk = kernel[:2]
             split = max(1, round(per_sm * num_sms / -(-n // bn)))
             if k // (bk * split) >= 2:
-                found[MidTiles(bm, bn, bk, split, nw, ns, trans)] = None
+                found[make(split, *kernel)] = None
     return list(found)
 
 
@@ -278,71 +289,223 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     return entries
 
 
-def sweep_w8a8(out: Path) -> None:
-    """The activation quantizer (one launch) against the torch ops it replaces, per K and batch over block
-    sizes; the Triton 8-bit GEMM's tiles at 1, 16 and 64 rows per layer shape, int8 against torch._int_mm
-    (padded to 32 rows below 17; bit for bit) and fp8 against torch._scaled_mm (within 1%). Each result is
-    checked first."""
-    from engine.kernels.quant_tiles import RowTiles, Tiles
-    from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
+# The tiles every shape took before the split-K rule (int8 up to 16 rows on main): timed at 1 and 16 rows beside
+# it ("main's" in the sweep's lines), so a table or rule that would be slower shows.
+MAIN_W8A8_TILES = W8A8Tiles(16, 32, 128, 1, num_warps=4, num_stages=4)
 
-    for k in (4096, 14336):
-        for m in (1, 16, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref_q, ref_s = quantize_per_row(x, torch.int8)
-            torch_us = _time(partial(quantize_per_row, x, FP8))
-            timed = {}
-            for config in [RowTiles(b, nw) for b in (512, 1024, 2048, 4096) for nw in (2, 4, 8)]:
-                q, s = quantize_rows(x, torch.int8, config=config)
-                assert torch.equal(q, ref_q) and torch.equal(s, ref_s), config
-                timed[config] = _time(partial(quantize_rows, x, FP8, config=config))
-            best = min(timed, key=timed.get)
-            row = {"sweep": "act-quant", "k": k, "m": m, "torch_us": round(torch_us, 2), "best": str(best),
-                   "best_us": round(timed[best], 2)}  # fmt: skip
-            _emit(out, row, f"act-quant K={k:5} m={m:3}  best block {best.block} w{best.num_warps} "
-                            f"{timed[best]:6.1f} us | torch ops {torch_us:6.1f} us")  # fmt: skip
-    entries = []
-    for k, n in SHAPES:
-        w = torch.randn(n, k, device="cuda") * 0.02
-        for kind, qdtype in (("int8", torch.int8), ("fp8", FP8)):
-            wq, ws = quantize_per_row(w, qdtype)
-            ws = ws.reshape(1, -1).contiguous()
-            for m in (1, 16, 64):
-                xq, xs = quantize_per_row(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
-                if kind == "int8":  # int32 sums are exact: the Triton GEMM must equal _int_mm's bit for bit
-                    pad = torch.nn.functional.pad(xq, (0, 0, 0, max(0, 32 - m)))
-                    torch_call = partial(torch._int_mm, pad, wq.t())  # without the scaling that follows it
-                    exact = (torch_call()[:m].float() * xs * ws).to(torch.bfloat16)
-                else:
-                    torch_call = partial(torch._scaled_mm, xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-                    exact = torch_call().float()
-                default = w8a8_tiles(kind, n, k)
-                timed = {}
-                grid = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (128, 256) for nw, ns in ((4, 3), (4, 5))]
-                for config in [default, *(Tiles(16 if m < 64 else 64, *t[:2], 1, *t[2:]) for t in grid)]:
-                    got = scaled_matmul(xq, xs, wq, ws, torch.bfloat16, config)
-                    if kind == "int8":
-                        assert torch.equal(got, exact), config
-                    else:
-                        assert ((got.float() - exact).norm() / exact.norm()).item() < 1e-2, config
-                    timed[config] = _time(partial(scaled_matmul, xq, xs, wq, ws, torch.bfloat16, config))
-                best = min(timed, key=timed.get)
-                torch_us = _time(torch_call)
-                row = {"sweep": f"{kind}-gemm", "k": k, "n": n, "m": m, "best": str(best),
-                       "best_us": round(timed[best], 2), "default_us": round(timed[default], 2),
-                       "torch_us": round(torch_us, 2)}  # fmt: skip
-                t = f"bm{best.block_m} bn{best.block_n} bk{best.block_k} w{best.num_warps} st{best.num_stages}"
-                torch_name = "_int_mm (no scales)" if kind == "int8" else "_scaled_mm"
-                _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:24} {timed[best]:7.1f} us "
-                                f"{n * k / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
-                                f"{torch_name} {torch_us:7.1f}")  # fmt: skip
-                if m == 1:
-                    entries.append(f"    ({kind!r}, {k}, {n}): {best!r},")
-    print(
-        "W8A8_TABLE entries (engine/kernels/quant_tiles.py; set INT8_TRITON_MAX_M / FP8_TRITON_MAX_M from "
-        "the m=1/16/64 rows):\n" + "\n".join(entries),
-        flush=True,
+
+def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
+    """The 8-bit GEMM's tiles the sweep tries for BLOCK_M bm: 32..256 outputs by 128 or 256 inputs a step, 4 or
+    8 warps, 3 to 5 stages, unfused and fused, keeping at most 128 accumulators a thread and the stages' tiles
+    within 200 KiB of shared memory (an H100 SM has 227; bf16 activations when fused). Breadth first, so a
+    sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two programs per
+    SM, then four, then unsplit (a split keeps two steps per program); 4 warps and 4 stages first, unfused and
+    fused side by side, in one order for every shape (later shapes reuse the compiled kernels)."""
+    kernels = [
+        (bn, bk, nw, ns, fused)
+        for nw, ns in ((4, 4), (4, 3), (8, 4), (4, 5), (8, 3))
+        for bn in (64, 128, 32, 256)
+        for bk in (128, 256)
+        for fused in (False, True)
+        if k % bk == 0 and bm * bn // (32 * nw) <= 128 and ns * ((1 + fused) * bm + bn) * bk <= 200 * 1024
+    ]
+    return _split_breadth_first(
+        kernels, n, k, num_sms, lambda split, bn, bk, *rest: W8A8Tiles(bm, bn, bk, split, *rest)
     )
+
+
+def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
+    """The 8-bit GEMM as ScaledLinear launches it on bf16 activations (K a multiple of BLOCK_K, pointers and
+    K-sized integers divisible by 16, as Triton specializes a launch at the 8B's shapes), compiled for `arch`
+    without a GPU (bench/quant_sass.loop_stats reads its main loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels.w8a8 import _scaled_gemm_kernel
+
+    q = "*i8" if int8 else "*fp8e4nv"
+    part = "*i32" if int8 and not fused else "*fp32"
+    signature = {"a_ptr": "*bf16" if fused else q, "b_ptr": q, "as_ptr": "*fp32", "bs_ptr": "*fp32",
+                 "out_ptr": "*bf16", "part_ptr": part, "count_ptr": "*i32"}  # fmt: skip
+    signature |= dict.fromkeys(("M", "N", "K", "sam", "span", "SPLIT"), "i32")
+    constexprs = {"QMAX": 127.0 if int8 else 448.0, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+                  "BLOCK_K": tiles.block_k, "INT8": int8, "FUSED": fused, "EVEN_K": True}  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    names = list(signature)
+    divisible = [names.index(n) for n in signature if n.endswith("_ptr") or n in ("N", "K", "sam", "span")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    src = ASTSource(_scaled_gemm_kernel, signature, constexprs, attrs)
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _time_graph(call) -> float:
+    """Microseconds a call takes replayed from a CUDA graph (as a decode step runs it: no launch overhead
+    beyond the graph's); off CUDA (a dry run) one call's wall time."""
+    if not torch.cuda.is_available():
+        return _time(call)
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(call, rep=20) * 1000
+
+
+def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """E4M3 values with +-448 every 16 inputs: every block of 16 or more has amax 448 (scale 1, nothing to round),
+    so the Triton interpreter's fp8 rounding (half-up, no carry into the exponent) cannot differ (dry runs)."""
+    x = (torch.randn(m, k, generator=g) * 60).to(FP8).float()
+    x[:, ::16] = 448.0
+    return x
+
+
+def _w8a8_run(config, x: torch.Tensor, wq, ws, counters, dtype) -> torch.Tensor:
+    """One W8A8 product as ScaledLinear runs it with these tiles: fused, or quantize_rows and the GEMM."""
+    from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul
+
+    if config.fused:
+        return fused_scaled_matmul(x, wq, ws, dtype, config, counters)
+    xq, xs = quantize_rows(x, wq.dtype)
+    return scaled_matmul(xq, xs, wq, ws, dtype, config, counters)
+
+
+def _w8a8_torch(x: torch.Tensor, wq, ws, dtype) -> torch.Tensor:
+    """The path above the Triton thresholds: quantize_rows, then torch._scaled_mm (fp8) or torch._int_mm (int8;
+    padded to 32 rows, as it takes more than 16 only) and the scaling; in a dry run (CPU) the torch reference."""
+    from engine.kernels.w8a8 import quantize_rows
+
+    xq, xs = quantize_rows(x, wq.dtype)
+    if x.device.type == "cpu":
+        return ((xq.float() @ wq.float().t()) * xs * ws).to(dtype)
+    if wq.dtype == FP8:
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
+    pad = F.pad(xq, (0, 0, 0, max(0, 32 - x.shape[0])))
+    return (torch._int_mm(pad, wq.t())[: x.shape[0]].float() * xs * ws).to(dtype)
+
+
+def _w8a8_error(config, x: torch.Tensor, wq, ws, got: torch.Tensor) -> float:
+    """Relative error against the tiles' reference: block_scaled_matmul at its BLOCK_K (fused), else the
+    per-row product."""
+    from engine.layers.linear import block_scaled_matmul
+
+    if config.fused:
+        ref = block_scaled_matmul(x.float(), wq, ws, config.block_k, torch.float32)
+    else:
+        xq, xs = quantize_per_row(x.float(), wq.dtype)
+        ref = (xq.float() @ wq.float().t()) * xs * ws
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def _summed(timed: dict, config) -> float:
+    return sum(timed[config].values())
+
+
+def sweep_w8a8(
+    out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
+) -> list[str]:
+    """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
+    first: the rule's tiles (unfused and fused), main's unsplit tiles, then candidates (w8a8_candidates) until
+    the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
+    (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
+    left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
+    quantize_rows + torch._scaled_mm (int8: + torch._int_mm, padded to 32 rows, and the scaling). The 16-row
+    tiles serve 1 to 16 rows, so each is timed at 1 and 16 and ranked by the sum. Per kind and rows the
+    layer's totals (the four matmuls), the rows at which the Triton GEMM wins (FP8_TRITON_MAX_M /
+    INT8_TRITON_MAX_M), and W8A8_TABLE entries, which it prints and returns."""
+    from engine.kernels.quant_gemm import _num_sms
+    from engine.kernels.w8a8 import w8a8_rule
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    sms = _num_sms(torch.device(device))
+    deadline = time.monotonic() + budget_s
+    combos = [(kind, bm, k, n) for kind in kinds for bm in (16, 64) for k, n in shapes]
+    weights = [2 if kind == "fp8" else 1 for kind, *_ in combos]
+    entries, totals = [], {}
+    for i, (kind, bm, k, n) in enumerate(combos):
+        stop = time.monotonic() + max(0.0, deadline - time.monotonic()) * weights[i] / sum(weights[i:])
+        qdtype = FP8 if kind == "fp8" else torch.int8
+        g = torch.Generator(device=device).manual_seed(k + n + bm)
+        wq, ws = quantize_per_row(torch.randn(n, k, generator=g, device=device) * 0.02, qdtype)
+        ws = ws.reshape(1, -1).contiguous()
+        counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+        rows = (1, 16) if bm == 16 else (64,)
+        xs = {m: _exact_rows(m, k, g) if dry_run else torch.randn(m, k, generator=g, device=device) for m in rows}
+        xs = {m: x.to(dtype) for m, x in xs.items()}
+
+        run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
+        rule = w8a8_rule(bm, bm, n, k, sms)
+        candidates = [rule, replace(rule, fused=True), *([MAIN_W8A8_TILES] if bm == 16 else [])]
+        candidates += [c for c in w8a8_candidates(bm, n, k, sms) if c not in candidates]
+        timed, failed = {}, []
+        for config in candidates[:3] if dry_run else candidates:
+            if len(timed) >= 3 and time.monotonic() > stop:
+                break
+            try:  # a kernel this Triton fails to compile is skipped
+                for m in rows:
+                    err = _w8a8_error(config, xs[m], wq, ws, run(config, xs[m]))
+                    assert err < 1e-2 and not counters.any(), f"{kind} {config} K={k} N={n} m={m}: relative error {err}"
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
+                failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
+                print(f"{kind} K={k:5} N={n:5} bm={bm}  failed to compile or run: {config!r}: {failed[-1][1]}")
+                continue
+            timed[config] = {m: _time_graph(partial(run, config, xs[m])) for m in rows}
+        if not timed:
+            _emit(out, {"sweep": f"w8a8-{kind}", "k": k, "n": n, "block_m": bm, "failed": failed},
+                  f"{kind} K={k:5} N={n:5} bm={bm}  every candidate tried failed")  # fmt: skip
+            continue
+        nbytes = n * k  # the 8-bit weight
+        total = partial(_summed, timed)
+        best = min(timed, key=total)
+        by_kind = {f: min((c for c in timed if c.fused == f), key=total, default=None) for f in (False, True)}
+        for m in rows:
+            us = {
+                "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
+                "rule": timed.get(rule, {}).get(m, float("nan")),
+                "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
+                "unfused": timed[by_kind[False]][m] if by_kind[False] else float("nan"),
+                "fused": timed[by_kind[True]][m] if by_kind[True] else float("nan"),
+                "best": timed[best][m],
+            }
+            for key, v in us.items():
+                totals.setdefault((kind, m), {}).setdefault(key, 0.0)
+                totals[(kind, m)][key] += v
+            row = {
+                "sweep": f"w8a8-{kind}", "k": k, "n": n, "m": m, "best": repr(best), "tried": len(timed),
+                "best_unfused": repr(by_kind[False]), "best_fused": repr(by_kind[True]), "failed": failed,
+                "best_weight_gbps": round(nbytes / us["best"] / 1e3, 1),
+                "top5": [(round(sum(timed[c].values()), 2), repr(c)) for c in sorted(timed, key=total)[:5]],
+            } | {f"{key}_us": round(v, 2) for key, v in us.items()}  # fmt: skip
+            t = f"bn{best.block_n} bk{best.block_k} s{best.split} w{best.num_warps} st{best.num_stages}" + (
+                " fused" if best.fused else ""
+            )
+            torch_name = "_scaled_mm" if kind == "fp8" else "_int_mm"
+            _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:30} {us['best']:7.1f} us "
+                            f"{nbytes / us['best'] / 1e3:6.0f} GB/s ({len(timed)} tried) | unfused "
+                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | main's "
+                            f"{us['main']:7.1f} | "
+                            f"quantize_rows+{torch_name} {us['torch']:7.1f}")  # fmt: skip
+        entries.append(f"    ({kind!r}, {k}, {n}, {bm}): {best!r},")
+    for (kind, m), tot in totals.items():
+        summary = {"sweep": f"w8a8-{kind} layer total (4 matmuls), batch {m}"} | {
+            f"{key}_us": round(v, 2) for key, v in tot.items()
+        }
+        _emit(out, summary, f"{kind} layer at m={m:2}: quantize_rows+torch {tot['torch']:.1f} us, rule "
+                            f"{tot['rule']:.1f}, main's tiles {tot['main']:.1f}, best unfused {tot['unfused']:.1f}, "
+                            f"best fused {tot['fused']:.1f}, "
+                            f"best {tot['best']:.1f} (torch / best = {tot['torch'] / tot['best']:.2f}x; shapes "
+                            f"that failed count 0)")  # fmt: skip
+    for kind in kinds:
+        wins = [m for m in (1, 16, 64) if (kind, m) in totals and totals[kind, m]["best"] < totals[kind, m]["torch"]]
+        print(
+            f"{kind}: the Triton GEMM's layer total beats torch at m in {wins} "
+            f"({kind.upper()}_TRITON_MAX_M: the largest of them below the first that loses)",
+            flush=True,
+        )
+    print("W8A8_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
+    return entries
 
 
 def main() -> None:
@@ -356,12 +519,15 @@ def main() -> None:
         help="also time candidate tiles of the decode GEMV, the decode tl.dot kernel and / or the W8A8 kernels "
         "(gemv and w8a8 if none named: `mid` fills a device call of its own)",
     )
-    parser.add_argument("--budget", type=float, default=360.0, help="seconds the `mid` sweep may take")
+    parser.add_argument("--budget", type=float, default=360.0, help="seconds the `mid` / `w8a8` sweep may take")
+    parser.add_argument(
+        "--w8a8-kinds", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"], help="what `w8a8` sweeps, in order"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="the `mid` sweep at tiny shapes, two candidates each, on the CPU under TRITON_INTERPRET=1 "
-        "(checks the sweep runs; its times mean nothing)",
+        help="the `mid` (default) or `w8a8` sweep at tiny shapes, a few candidates each, on the CPU under "
+        "TRITON_INTERPRET=1 (checks the sweep runs; its times mean nothing)",
     )
     parser.add_argument("--no-layers", action="store_true", help="skip the per-layer table (sweep only)")
     parser.add_argument("--out", default=None)
@@ -369,7 +535,11 @@ def main() -> None:
     if args.dry_run:
         out = Path(args.out or results_path("quant-gpu-dry-run", "cpu"))
         out.parent.mkdir(parents=True, exist_ok=True)
-        sweep_mid(out, args.budget, dry_run=True)
+        for name in args.sweep or ["mid"]:
+            if name == "w8a8":
+                sweep_w8a8(out, args.budget, tuple(args.w8a8_kinds), dry_run=True)
+            else:
+                sweep_mid(out, args.budget, dry_run=True)
         return
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for k, n in SHAPES]
@@ -409,7 +579,11 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
     if args.sweep is not None:
         for name in args.sweep or ["gemv", "w8a8"]:
-            {"gemv": sweep_gemv, "mid": partial(sweep_mid, budget_s=args.budget), "w8a8": sweep_w8a8}[name](out)
+            {
+                "gemv": sweep_gemv,
+                "mid": partial(sweep_mid, budget_s=args.budget),
+                "w8a8": partial(sweep_w8a8, budget_s=args.budget, kinds=tuple(args.w8a8_kinds)),
+            }[name](out)
     print(f"device tag {device_tag('cuda')}: {out}")
 
 

@@ -549,6 +549,40 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
     assert int(mma) > 0  # the product is on the tensor cores
 
 
+@pytest.mark.slow
+def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
+    """The 8-bit GEMM's rule tiles at 16 and 64 rows, int8 and fp8, unfused and fused, compile for sm_90 without
+    a GPU (Triton and the ptxas of its wheel) with the product on the tensor cores; the unfused main loop
+    stays short (71 to 144 instructions with Triton 3.9, its loads 16-byte asynchronous copies; byte loads, as
+    when the K-sized arguments are not known to be multiples of 16, take ~700), and the fused one pays for
+    quantizing its step (~420 at 16 rows, ~1,200 to 1,500 at 64)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
+    code = (
+        "from bench.quant_gpu import compile_w8a8; from bench.quant_sass import loop_stats\n"
+        "from engine.kernels.w8a8 import w8a8_rule\n"
+        "for bm in (16, 64):\n"
+        "    for int8 in (False, True):\n"
+        "        for fused in (False, True):\n"
+        "            n, ops = loop_stats(compile_w8a8(w8a8_rule(bm, bm, 4096, 4096, 132), int8, fused))\n"
+        "            print(bm, int(int8), int(fused), n, sum(c for o, c in ops.items() if 'MMA' in o))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.splitlines():
+        bm, int8, fused, count, mma = map(int, line.split())
+        assert mma > 0, line
+        assert count < (200 if not fused else 600 if bm == 16 else 2000), line
+
+
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
 def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k):
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
@@ -780,6 +814,169 @@ def test_fp8_scaled_matmul_matches_the_reference():
     torch.testing.assert_close(out.cpu(), layer._reference(x), atol=1e-5, rtol=1e-5)
 
 
+def _w8a8_weight(n: int, k: int, qdtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    wq, ws = quantize_per_row(torch.randn(n, k, generator=g), qdtype)
+    return wq.to(DEV), ws.reshape(1, -1).contiguous().to(DEV)
+
+
+def _block_exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """E4M3 values with +-448 every 16 inputs: every block of 16 or more quantizes at scale 1 with nothing to
+    round (see _fp8_exact_rows: off the GPU only such values compare closely)."""
+    x = (torch.randn(m, k, generator=g) * 60).to(FP8).float()
+    x[:, ::16] = 448.0
+    x[::2, 8::16] = -448.0
+    return x
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64])
+def test_split_k_scaled_matmul_matches_the_reference(qdtype, m):
+    """K split 1 to 5 ways (K 200: a short last step; K 256: whole steps, the unmasked loads), N 40 (a partial
+    last slice): int8 bit for bit (int32 partials, the scales applied once after the sum), fp8 within float32
+    rounding; the counters left zeroed by every launch, one array shared as a layer shares it."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import W8A8Tiles
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+
+    g = torch.Generator().manual_seed(m)
+    bm = max(16, 1 << (m - 1).bit_length())
+    counters = torch.zeros(3, dtype=torch.int32, device=DEV)
+    for k in (200, 256):
+        wq, ws = _w8a8_weight(40, k, qdtype, g)
+        layer = ScaledLinear(wq.cpu(), ws.flatten().cpu(), None, torch.float32)
+        x = torch.randn(m, k, generator=g)
+        xq, xs = quantize_rows(x.to(DEV), qdtype) if qdtype == torch.int8 else layer._quantize_input(x)
+        for split in (1, 2, 5):
+            config = W8A8Tiles(bm, 16, 32, split)
+            out = scaled_matmul(xq.to(DEV), xs.contiguous().to(DEV), wq, ws, torch.float32, config, counters).cpu()
+            if qdtype == torch.int8:
+                assert torch.equal(out, layer._reference(x)), (k, split)
+            else:
+                torch.testing.assert_close(out, layer._reference(x), atol=1e-5, rtol=1e-5)
+            assert not counters.any()
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64])
+def test_fused_scaled_matmul_matches_its_block_reference(qdtype, m):
+    """The activations quantized inside the GEMM per row and BLOCK_K step: block_scaled_matmul at the same
+    BLOCK_K, unsplit and split (K 200: a short last block; 256: whole ones); int8 unsplit bit for bit."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import W8A8Tiles
+    from engine.kernels.w8a8 import fused_scaled_matmul
+    from engine.layers.linear import block_scaled_matmul
+
+    g = torch.Generator().manual_seed(10 + m)
+    bm = max(16, 1 << (m - 1).bit_length())
+    counters = torch.zeros(3, dtype=torch.int32, device=DEV)
+    for k in (200, 256):
+        wq, ws = _w8a8_weight(40, k, qdtype, g)
+        x = torch.randn(m, k, generator=g) * 3 if qdtype == torch.int8 else _block_exact_rows(m, k, g)
+        for block_k, split in ((32, 1), (64, 1), (32, 3)):
+            ref = block_scaled_matmul(x, wq.cpu(), ws.cpu(), block_k, torch.float32)
+            config = W8A8Tiles(bm, 16, block_k, split, fused=True)
+            out = fused_scaled_matmul(x.to(DEV), wq, ws, torch.float32, config, counters).cpu()
+            if qdtype == torch.int8 and split == 1:
+                assert torch.equal(out, ref), (k, block_k)
+            else:
+                torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+            assert not counters.any()
+
+
+def test_block_scales_are_at_least_as_fine_as_per_row():
+    """An outlier in one block coarsens only that block's step: the fused kernel's int8 product is closer to
+    the float product than per-row quantization's, by half where rows have an outlier, and no farther (summed
+    over rows: rounding noise) where they have none."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import W8A8Tiles
+    from engine.kernels.w8a8 import fused_scaled_matmul
+
+    g = torch.Generator().manual_seed(7)
+    wq, ws = _w8a8_weight(48, 256, torch.int8, g)
+    layer = ScaledLinear(wq.cpu(), ws.flatten().cpu(), None, torch.float32)
+    x = torch.randn(32, 256, generator=g)
+    x[::2, 3] = 200.0  # outliers in the first block of every other row
+    exact = x @ (wq.cpu().float() * ws.cpu().t()).t()
+    fused = fused_scaled_matmul(x.to(DEV), wq, ws, torch.float32, W8A8Tiles(32, 16, 64, 1, fused=True)).cpu()
+    per_row = layer._reference(x)
+    fused_err, row_err = (fused - exact).norm(dim=1), (per_row - exact).norm(dim=1)
+    assert (fused_err[::2] < row_err[::2] / 1.5).all()
+    assert fused_err[1::2].sum() <= row_err[1::2].sum()
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+def test_a_nan_makes_its_row_nan_in_the_fused_gemm(qdtype):
+    pytest.importorskip("triton")
+    from engine.kernels.quant_tiles import W8A8Tiles
+    from engine.kernels.w8a8 import fused_scaled_matmul
+
+    g = torch.Generator().manual_seed(8)
+    wq, ws = _w8a8_weight(40, 200, qdtype, g)
+    x = torch.randn(3, 200, generator=g)
+    x[1, 150] = float("nan")  # in the last, short block
+    for split in (1, 2):
+        out = fused_scaled_matmul(x.to(DEV), wq, ws, torch.float32, W8A8Tiles(16, 16, 32, split, fused=True))
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+def test_w8a8_rule_splits_k_for_decode_batches():
+    """1.5 to 3.5 programs per SM stream the 8B's weights at decode sizes (K split where N gives too few), each
+    keeping four steps; more rows than one program covers are not split."""
+    from engine.kernels.w8a8 import w8a8_rule, w8a8_tiles
+
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+        for m in (1, 16, 33, 64):
+            t = w8a8_tiles("fp8", m, n, k, num_sms=132)
+            assert t.block_m >= m and not t.fused and k // (t.block_k * t.split) >= 4
+            assert 1.5 * 132 <= -(-n // t.block_n) * t.split <= 3.5 * 132
+    assert w8a8_rule(64, 64, 4096, 4096, 132).split == 4  # 64 slices of 64 outputs
+    assert w8a8_rule(64, 200, 4096, 4096, 132).split == 1
+
+
+def test_scaled_linear_takes_the_fused_gemm_its_tiles_name(monkeypatch):
+    """A W8A8_TABLE entry with fused=True makes the layer quantize inside the GEMM (block_scaled_matmul's
+    numerics, int8: bit for bit), except with a checkpoint's static input scale (quantize_rows, per row);
+    an entry for 64 rows serves 33."""
+    pytest.importorskip("triton")
+    from engine.kernels import quant_tiles
+    from engine.kernels.quant_tiles import W8A8Tiles
+    from engine.layers.linear import block_scaled_matmul
+
+    g = torch.Generator().manual_seed(9)
+    wq, ws = _w8a8_weight(40, 256, torch.int8, g)
+    monkeypatch.setitem(quant_tiles.W8A8_TABLE, ("int8", 256, 40, 64), W8A8Tiles(64, 16, 64, 2, fused=True))
+    x = torch.randn(33, 256, generator=g) * 2
+    dynamic = ScaledLinear(wq, ws.flatten(), None, torch.float32)
+    ref = block_scaled_matmul(x, wq.cpu(), ws.cpu(), 64, torch.float32)
+    torch.testing.assert_close(dynamic._triton(x.to(DEV), "int8").cpu(), ref, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(ref, dynamic.cpu()._reference(x))  # per block is not per row
+    static = ScaledLinear(wq, ws.flatten(), None, torch.float32, input_scale=torch.tensor(0.05))
+    assert torch.equal(static._triton(x.to(DEV), "int8").cpu(), static.cpu()._reference(x))
+
+
+def test_w8a8_sweep_dry_run_prints_table_entries(tmp_path):
+    """`bench.quant_gpu --sweep w8a8 --dry-run`: the sweep's whole path at tiny shapes (each candidate, fused
+    and unfused, checked against its reference), a JSON row per shape and rows (1 and 16 rows share the
+    16-row tiles), a layer total per kind and rows, and W8A8_TABLE entries that are tiles of the kernel."""
+    pytest.importorskip("triton")
+    from bench.quant_gpu import sweep_w8a8
+    from engine.kernels.quant_tiles import W8A8Tiles
+
+    out = tmp_path / "w8a8.jsonl"
+    entries = sweep_w8a8(out, dry_run=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shapes = [r for r in rows if "best" in r]
+    assert len(entries) == 8 and len(shapes) == 12 and all(r["tried"] == 3 for r in shapes)
+    assert {r["m"] for r in shapes} == {1, 16, 64} and sum("layer total" in r["sweep"] for r in rows) == 6
+    assert all("fused=True" in r["best_fused"] and "fused=False" in r["best_unfused"] for r in shapes)
+    for entry in entries:
+        key, tiles = entry.strip().rstrip(",").split(": ", 1)
+        kind, k, n, bm = eval(key)
+        match = [r for r in shapes if (r["sweep"], r["k"], r["n"], r["m"] > 16) == (f"w8a8-{kind}", k, n, bm > 16)]
+        assert match and all(eval(r["best"], {"W8A8Tiles": W8A8Tiles}) == eval(tiles, {"W8A8Tiles": W8A8Tiles})
+                             for r in match)  # fmt: skip
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (fp8 and bf16 rounding as the GPU rounds)")
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8])
 @pytest.mark.parametrize("static", [False, True])
@@ -805,3 +1002,69 @@ def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
             ref = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).float()
             got = scaled_matmul(xq, xs, w, ws, torch.bfloat16).float()
             assert (got - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the 8-bit GEMM at Llama-3-8B shapes, fp8 as the GPU rounds)")
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+def test_w8a8_gemm_full_shapes_split_and_fused_on_cuda(qdtype):
+    """The 8B's four decode matmuls at 1 / 16 / 33 / 64 rows: the rule's tiles and candidates of the sweep's
+    grid, unfused against the per-row product (int8: int64 sums, bit for bit) and fused against
+    block_scaled_matmul, one counter array shared by all launches as a layer shares it."""
+    from bench.quant_gpu import SHAPES, w8a8_candidates
+    from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul, w8a8_tiles
+    from engine.layers.linear import block_scaled_matmul
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, n in SHAPES:
+        wq, ws = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02, qdtype)
+        ws = ws.reshape(1, -1).contiguous()
+        counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
+        for m in (1, 16, 33, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_rows(x, qdtype)
+            if qdtype == torch.int8:  # float64 sums of int8 products are exact (< 2**53)
+                ref = ((xq.double() @ wq.double().t()).float() * xs * ws).to(torch.bfloat16)
+            else:
+                ref = (xq.float() @ wq.float().t()) * xs * ws
+            bm = max(16, 1 << (m - 1).bit_length())
+            kind = "int8" if qdtype == torch.int8 else "fp8"
+            for config in [w8a8_tiles(kind, m, n, k, sms), *w8a8_candidates(bm, n, k, sms)[::17]]:
+                if config.fused:
+                    fref = block_scaled_matmul(x.float(), wq, ws, config.block_k, torch.float32)
+                    got = fused_scaled_matmul(x, wq, ws, torch.bfloat16, config, counters).float()
+                    assert (got - fref).norm() / fref.norm() < 1e-2, (k, n, m, config)
+                else:
+                    got = scaled_matmul(xq, xs, wq, ws, torch.bfloat16, config, counters)
+                    if qdtype == torch.int8:
+                        assert torch.equal(got, ref), (k, n, m, config)
+                    else:
+                        assert (got.float() - ref).norm() / ref.norm() < 1e-2, (k, n, m, config)
+                assert not counters.any(), config
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("fused", [False, True])
+def test_scaled_linear_split_gemm_replays_in_a_cuda_graph(monkeypatch, fused):
+    """FP8 decode through the split Triton GEMM captured once and replayed on new inputs, as the engine's
+    decode graphs run it: each replay equals an eager call (the counters are zero again after every launch)."""
+    from engine.kernels import quant_tiles
+    from engine.kernels.quant_tiles import W8A8Tiles
+
+    k, n = 4096, 4096
+    monkeypatch.setattr(quant_tiles, "FP8_TRITON_MAX_M", 64)
+    monkeypatch.setitem(quant_tiles.W8A8_TABLE, ("fp8", k, n, 16), W8A8Tiles(16, 64, 128, 4, fused=fused))
+    q, scale = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02, FP8)
+    layer = ScaledLinear(q, scale.flatten(), None, torch.bfloat16)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        layer(x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer(x)) and not layer.counters.any()

@@ -19,6 +19,7 @@ Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
 The GEMV and the decode tl.dot kernel split K where N alone gives too few programs to stream the weight at full
 bandwidth: the last program of an output slice to finish adds the others' float32 partials (_split_k_reduce;
 one launch: no memset, no atomics on the output, no cast), with a per-slice int32 counter it leaves zeroed.
+engine/kernels/w8a8.py's 8-bit GEMM splits K with the same reduction and buffers.
 """
 
 from __future__ import annotations
@@ -102,23 +103,31 @@ def mid_rule(bm: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
 
 @triton.jit
 def _split_k_reduce(
-    out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """After each of an output slice's SPLIT programs stored its float32 partial rows [BLOCK_M, slice] at
+    out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    row_scale_ptr, col_scale_ptr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """After each of an output slice's SPLIT programs stored its partial rows [BLOCK_M, slice] at
     part_ptr[pid_k]: the slice's last program to arrive adds the partials [SPLIT, BLOCK_M, N] in split order
     (the same sum whichever arrives last), writes the output and resets the slice's counter for the next
     launch. The barrier orders every thread's partial before the release of the counter's increment; the
-    partials are read from L2 (.cg), where the other programs' stores landed."""
+    partials are read from L2 (.cg), where the other programs' stores landed. The sum keeps the partials'
+    type (int32 partials of an int8 GEMM add exactly); SCALED multiplies it, as float32, by the row scales
+    [M] and then the column scales [N] (engine/kernels/w8a8.py's epilogue) before the output's rounding."""
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
     if arrived == SPLIT - 1:
         rows_m = tl.arange(0, BLOCK_M)
         mask = (rows_m[:, None] < M) & mask_n[None, :]
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=part_ptr.dtype.element_ty)
         for sk in range(0, SPLIT):
             total += tl.load(part_ptr + (sk * BLOCK_M + rows_m[:, None]) * N + offs_n[None, :], mask=mask,
-                             other=0.0, cache_modifier=".cg")  # fmt: skip
-        tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+                             other=0, cache_modifier=".cg")  # fmt: skip
+        out = total.to(tl.float32)
+        if SCALED:
+            row_scale = tl.load(row_scale_ptr + rows_m, mask=rows_m < M, other=0.0)
+            col_scale = tl.load(col_scale_ptr + offs_n, mask=mask_n, other=0.0)
+            out = out * row_scale[:, None] * col_scale[None, :]
+        tl.store(out_ptr + rows_m[:, None] * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -227,7 +236,8 @@ def _mid_kernel(
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N)
+        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N,
+                        part_ptr, part_ptr, False)  # fmt: skip
 
 
 @triton.jit
@@ -324,7 +334,8 @@ def _gemv_kernel(
         _gemv_out(out_ptr, part_ptr, acc2, 2, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
         _gemv_out(out_ptr, part_ptr, acc3, 3, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
     if SPLIT > 1:
-        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N)
+        _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N,
+                        part_ptr, part_ptr, False)  # fmt: skip
 
 
 def gemv_tiles(bits: int, n: int, k: int, num_sms: int, m: int = 1) -> GemvTiles:
@@ -411,15 +422,17 @@ def _split(length: int, step: int, split: int) -> tuple[int, int]:
     return span, triton.cdiv(length, span)
 
 
-def _split_buffers(split: int, block_m: int, n: int, slices: int, counters, device) -> tuple[torch.Tensor, ...]:
-    """A split launch's float32 partials [split, block_m, n] (no memset: every element read is written first)
-    and its counters (a fresh zeroed array when none is given); typed placeholders when K is not split."""
+def _split_buffers(
+    split: int, block_m: int, n: int, slices: int, counters, device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """A split launch's partials [split, block_m, n] in `dtype` (no memset: every element read is written
+    first) and its counters (a fresh zeroed array when none is given); typed placeholders when K is not split."""
     if split == 1:
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+        return torch.empty(1, dtype=dtype, device=device), torch.empty(1, dtype=torch.int32, device=device)
     if counters is None:
         counters = torch.zeros(slices, dtype=torch.int32, device=device)
     assert counters.numel() >= slices and counters.dtype == torch.int32
-    return torch.empty((split, block_m, n), dtype=torch.float32, device=device), counters
+    return torch.empty((split, block_m, n), dtype=dtype, device=device), counters
 
 
 def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters, perm) -> torch.Tensor:

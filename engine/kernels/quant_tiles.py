@@ -43,6 +43,16 @@ class MidTiles(Tiles):
 
 
 @dataclass(frozen=True)
+class W8A8Tiles(Tiles):
+    """The 8-bit GEMM (w8a8._scaled_gemm_kernel): BLOCK_M x BLOCK_N outputs per program, BLOCK_K inputs a step,
+    K split over at most `split` programs (then one program covers every row: M <= block_m). `fused`: the
+    kernel takes the unquantized activations and quantizes them itself per row and BLOCK_K step (no
+    quantize_rows launch; a checkpoint's static input scale keeps the unfused path whatever this says)."""
+
+    fused: bool = False
+
+
+@dataclass(frozen=True)
 class GemvTiles:
     """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
     weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs."""
@@ -137,12 +147,14 @@ MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
 # applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
-# FP8 stays on _scaled_mm (0) until a sweep shows the Triton GEMM faster at decode sizes.
+# FP8 stays on _scaled_mm (0) until `bench.quant_gpu --sweep w8a8` shows the Triton GEMM faster at decode sizes
+# (at most 64 rows: the split-K rule covers every row with one program).
 INT8_TRITON_MAX_M = 16
 FP8_TRITON_MAX_M = 0
 
-# ("int8" or "fp8", K, N) -> the 8-bit GEMM's tiles (split is 1); empty until a sweep fills it.
-W8A8_TABLE: dict[tuple[str, int, int], Tiles] = {}
+# ("int8" or "fp8", K, N, BLOCK_M) -> the 8-bit GEMM's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
+# rows, at least 16); empty until `bench.quant_gpu --sweep w8a8` fills it. Shapes not listed take w8a8.w8a8_rule.
+W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {}
 
 # The per-row activation quantizer.
 ROW_TILES = RowTiles(block=2048, num_warps=4)

@@ -133,13 +133,33 @@ def quantize_per_row(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor
     return q, scale
 
 
+def block_scaled_matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The torch reference of engine/kernels/w8a8.py fused_scaled_matmul: x [M, K] quantized per row and per
+    block of block_k inputs to the weight's type (scale amax / qmax; values times qmax / amax, clamped, rounded
+    as quantize_per_row rounds), each block's 8-bit product with the weight [N, K] times its row scales added
+    in float32, then times the channel scales [1, N]."""
+    qmax = FP8_MAX if weight.dtype == FP8 else 127.0
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for k0 in range(0, x.shape[1], block_k):
+        block = x[:, k0 : k0 + block_k].float()
+        amax = block.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        qmax_t = amax.new_full((), qmax)  # a tensor divisor: IEEE division on CUDA too (see quantize_per_row)
+        scaled = (block * (qmax_t / amax)).clamp(-qmax, qmax)
+        xq = scaled.to(FP8) if weight.dtype == FP8 else scaled.round().to(torch.int8)
+        acc += (xq.float() @ weight[:, k0 : k0 + block_k].float().t()) * (amax / qmax_t)
+    return (acc * weight_scale).to(out_dtype)
+
+
 class ScaledLinear(nn.Module):
     """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
-    per token at run time (or with one static scale a checkpoint gives). CUDA quantizes the activations in one
-    Triton launch (engine/kernels/w8a8.py) and multiplies the 8-bit values: up to INT8_TRITON_MAX_M /
-    FP8_TRITON_MAX_M rows (engine/kernels/quant_tiles.py) through the Triton 8-bit GEMM with the scales in
-    its epilogue, more through torch._int_mm / torch._scaled_mm. The CPU runs the torch reference, which
-    rounds the same way and multiplies in float32."""
+    per token at run time (or with one static scale a checkpoint gives). On CUDA up to INT8_TRITON_MAX_M /
+    FP8_TRITON_MAX_M rows (engine/kernels/quant_tiles.py) take the Triton 8-bit GEMM (engine/kernels/w8a8.py)
+    with the scales in its epilogue: fused (the activations quantized inside it per row and K step) where its
+    tiles say so and the input scale is dynamic, else after quantize_rows (one Triton launch). More rows are
+    quantized so and go through torch._int_mm / torch._scaled_mm. The CPU runs the torch reference, which
+    rounds the same way as quantize_rows and multiplies in float32."""
 
     def __init__(
         self,
@@ -156,6 +176,10 @@ class ScaledLinear(nn.Module):
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(1, 1))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        # The split 8-bit GEMM's arrival counters, one per slice of 16 outputs (the narrowest tile): zeroed
+        # here once, left zeroed by every launch.
+        counters = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=weight.device)
+        self.register_buffer("counters", counters, persistent=False)
         cuda = weight.device.type == "cuda"
         if weight.dtype == FP8:
             self._matmul = self._fp8_cuda if cuda else self._reference
@@ -176,23 +200,36 @@ class ScaledLinear(nn.Module):
         out = (xq.float() @ self.weight.float().t()) * xs * self.weight_scale
         return out.to(self.dtype)
 
+    def _triton(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """The Triton 8-bit GEMM, fused or after quantize_rows as its tiles (and a static input scale) say."""
+        from engine.kernels.quant_gemm import _num_sms
+        from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul, w8a8_tiles
+
+        config = w8a8_tiles(kind, x.shape[0], self.out_features, self.in_features, _num_sms(x.device))
+        if config.fused and self.input_scale is None:
+            return fused_scaled_matmul(x, self.weight, self.weight_scale, self.dtype, config, self.counters)
+        xq, xs = quantize_rows(x, self.weight.dtype, self.input_scale)
+        return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype, config, self.counters)
+
     def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.quant_tiles import FP8_TRITON_MAX_M
-        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+        from engine.kernels.w8a8 import quantize_rows
 
-        xq, xs = quantize_rows(x.contiguous(), FP8, self.input_scale)
-        if xq.shape[0] <= FP8_TRITON_MAX_M:
-            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
+        x = x.contiguous()
+        if x.shape[0] <= FP8_TRITON_MAX_M:
+            return self._triton(x, "fp8")
+        xq, xs = quantize_rows(x, FP8, self.input_scale)
         # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
         return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
 
     def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.quant_tiles import INT8_TRITON_MAX_M
-        from engine.kernels.w8a8 import quantize_rows, scaled_matmul
+        from engine.kernels.w8a8 import quantize_rows
 
-        xq, xs = quantize_rows(x.contiguous(), torch.int8, self.input_scale)
-        if xq.shape[0] <= INT8_TRITON_MAX_M:
-            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype)
+        x = x.contiguous()
+        if x.shape[0] <= INT8_TRITON_MAX_M:
+            return self._triton(x, "int8")
+        xq, xs = quantize_rows(x, torch.int8, self.input_scale)
         return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
