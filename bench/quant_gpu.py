@@ -353,7 +353,7 @@ def _time_graph(call) -> float:
 def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """E4M3 values with +-448 every 16 inputs: every block of 16 or more has amax 448 (scale 1, nothing to round),
     so the Triton interpreter's fp8 rounding (half-up, no carry into the exponent) cannot differ (dry runs)."""
-    x = (torch.randn(m, k, generator=g) * 60).to(FP8).float()
+    x = (torch.randn(m, k, generator=g, device=g.device) * 60).to(FP8).float()
     x[:, ::16] = 448.0
     return x
 

@@ -147,14 +147,42 @@ MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
 # applied in its epilogue); larger ones torch._int_mm (which takes more than 16 rows only) / torch._scaled_mm.
-# FP8 stays on _scaled_mm (0) until `bench.quant_gpu --sweep w8a8` shows the Triton GEMM faster at decode sizes
-# (at most 64 rows: the split-K rule covers every row with one program).
+# FP8 up to 64 rows (the split-K kernel covers every row with one program): `bench.quant_gpu --sweep w8a8` on
+# an H200 (bench/results/2026-11-26-h200-6ca884a-w8a8-sweep.jsonl), a Llama-3-8B layer's four fp8 GEMMs
+# against quantize_rows + torch._scaled_mm: 77.4 / 81.4 / 96.1 us against 145.4 / 137.7 / 126.5 at 1 / 16 / 64
+# rows (1.88 / 1.69 / 1.32x); the fused activation quantization wins where N is 4096 at 16 rows or fewer
+# (o_proj, down_proj), never at 64 rows (each N slice quantizes the rows again).
 INT8_TRITON_MAX_M = 16
-FP8_TRITON_MAX_M = 0
+FP8_TRITON_MAX_M = 64
 
 # ("int8" or "fp8", K, N, BLOCK_M) -> the 8-bit GEMM's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16); empty until `bench.quant_gpu --sweep w8a8` fills it. Shapes not listed take w8a8.w8a8_rule.
-W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {}
+# rows, at least 16), from the sweep above. Shapes not listed take w8a8.w8a8_rule.
+W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
+    ("fp8", 4096, 6144, 16): W8A8Tiles(
+        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=False
+    ),
+    ("fp8", 4096, 4096, 16): W8A8Tiles(
+        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=3, fused=True
+    ),
+    ("fp8", 4096, 28672, 16): W8A8Tiles(
+        block_m=16, block_n=128, block_k=256, split=1, num_warps=4, num_stages=3, fused=False
+    ),
+    ("fp8", 14336, 4096, 16): W8A8Tiles(
+        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=4, fused=True
+    ),
+    ("fp8", 4096, 6144, 64): W8A8Tiles(
+        block_m=64, block_n=32, block_k=128, split=1, num_warps=8, num_stages=3, fused=False
+    ),
+    ("fp8", 4096, 4096, 64): W8A8Tiles(
+        block_m=64, block_n=32, block_k=128, split=2, num_warps=4, num_stages=3, fused=False
+    ),
+    ("fp8", 4096, 28672, 64): W8A8Tiles(
+        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=4, fused=False
+    ),
+    ("fp8", 14336, 4096, 64): W8A8Tiles(
+        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=5, fused=False
+    ),
+}
 
 # The per-row activation quantizer.
 ROW_TILES = RowTiles(block=2048, num_warps=4)
