@@ -55,8 +55,7 @@ def _kv_offsets(bt_row_ptr, pos, pos_ok, kvh, stride_b, stride_s, stride_h, BLOC
 # (two cvt.rn.f16x2.e4m3x2 per word on the GPU) and joined back into [keys, dims] in registers: the
 # float16 tile then reaches the MMA through shared memory as 16-bit rows (ldmatrix), not as bytes
 # gathered one at a time (an fp8 V must be transposed for P @ V, which the 8-bit operand path does byte by byte).
-# "words_v" reads only V so (K, whose dims are the MMA's reduction dim, needs no transpose) and casts K as f16.
-WIDENS = ("cast", "bits", "asm", "f16", "words", "words_v")
+WIDENS = ("cast", "bits", "asm", "f16", "words")
 _F16 = WIDENS.index("f16")
 # Four fp8 e4m3 codes of a 32-bit word as four float16 values (exact): two conversions of two codes each.
 _WORDS_ASM = (
@@ -127,9 +126,9 @@ def fp8_widen(
     if widen == "cast" or q_dtype not in _PRESCALE_EXP:
         return Fp8Widen()
     words_fit = cache_dtype == torch.float8_e4m3fn and head_dim == triton.next_power_of_2(head_dim) >= 4
-    if widen == "f16" or (widen.startswith("words") and not words_fit):
+    if widen == "f16" or (widen == "words" and not words_fit):
         return Fp8Widen(WIDEN=_F16)  # words' conversion is e4m3's; e5m2 takes f16's
-    if widen.startswith("words"):
+    if widen == "words":
         return Fp8Widen(WIDEN=WIDENS.index(widen), WIDEN_ASM=_WORDS_ASM if on_gpu else "")
     if widen == "asm" and not on_gpu:
         widen = "bits"
@@ -144,7 +143,7 @@ def fp8_widen(
 def _widen_fp8(x, like, WIDEN: tl.constexpr, WIDEN_SHIFT: tl.constexpr, WIDEN_ASM: tl.constexpr):
     """An fp8 tile in the dtype of the tensor `like` (Fp8Widen): exact for cast; times 2^-(bias difference)
     for bits and asm."""
-    if WIDEN == 0 or WIDEN >= 3:  # cast, f16, words_v's K (`like` is the float16 q then)
+    if WIDEN == 0 or WIDEN == 3:  # cast, f16 (`like` is the float16 q then)
         return x.to(like.dtype)
     # The fp8 code in the high byte of a 16-bit lane: sign in place, exponent and mantissa shifted down
     # to the lane's exponent field (a zero code stays 0, subnormals stay subnormal).
@@ -284,11 +283,11 @@ def _attend_keys(
             p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FP8 and WIDEN >= 4:
+        if KV_FP8 and WIDEN == 4:
             v = _load_fp8_words(v_ptr, offs, pos_ok, BOUNDED, d.shape[0], WIDEN_ASM)
         else:
             v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=load_ok, other=0.0)
-        if KV_FP8 and WIDEN < 4:
+        if KV_FP8 and WIDEN != 4:
             v = _widen_fp8(v, q, WIDEN, WIDEN_SHIFT, WIDEN_ASM)
             if PRESCALE != 1.0:
                 p = p * PRESCALE
