@@ -7,6 +7,12 @@ set -u
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+# The device image lacks pagoda's pure-Python test dependencies (gguf, which the default model's loader imports,
+# jsonschema): carried as `.whl/dev`, they go into a site of their own (without it the default-model tests
+# error in their fixtures with "No module named 'gguf'").
+if [ -d .whl/dev ] && ! python3 -c "import gguf" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /root/dev_site .whl/dev/*.whl && export PYTHONPATH=$PYTHONPATH:/root/dev_site
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in "$@"; do
