@@ -1207,3 +1207,21 @@ def test_cuda_norm_and_swiglu_quantized_inputs_give_the_layer_output_at_8b_shape
                 taken += 1
                 assert torch.equal(layer(QuantizedActivation(*quantized)), layer(plain)), (m, layer.in_features)
     assert taken >= 8  # the tiles quantize inside the GEMM at few rows for some shapes only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (decode CUDA graphs)")
+def test_cuda_fused_activation_quantization_replays_in_the_decode_graphs(tiny_model_dir):
+    """A tiny Llama with --quantization fp8 on the Triton backend: the decode graphs, captured with the norms and
+    SwiGLU quantizing for their linears, give the greedy tokens of eager steps, batch 1 to 5."""
+    from engine import LLM, SamplingParams
+
+    prompts = [[1, 17, 42, 99, 7], [5, 6, 7], list(range(40, 60)), [300, 2], [9] * 11]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", device="cuda", attention_backend="triton",
+                  quantization="fp8", max_model_len=64, num_gpu_blocks_override=32, enforce_eager=eager)  # fmt: skip
+        assert (llm.engine.runner.graphs is None) == eager
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert tokens[0] == tokens[1]

@@ -6,11 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quant_tiles import ROW_TILES
 from engine.kernels.w8a8 import _quantize, _row_scale, qmax
 
 _BLOCK = 1024
-# The quantizing kernel: one program per row, this many columns a step.
-_QUANT_BLOCK = 2048
 
 
 @triton.jit
@@ -81,7 +80,8 @@ def silu_and_mul(
             _silu_and_mul_quant_kernel[(x.shape[0],)](
                 x, q, scales, x.stride(0), x.stride(1), inter,
                 QMAX=qmax(quant), INT8=quant == torch.int8,
-                BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(inter)), num_warps=4,
+                # A row per program, as quantize_rows takes it, with the activation quantizer's tiles.
+                BLOCK=min(ROW_TILES.block, triton.next_power_of_2(inter)), num_warps=ROW_TILES.num_warps,
             )  # fmt: skip
         return q, scales
     shape = (*gate_up.shape[:-1], inter)
