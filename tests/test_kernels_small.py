@@ -318,11 +318,15 @@ def test_rms_norm_quantized_is_the_norm_then_quantize_rows(qdtype, dtype, t, hid
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t,inter", [(2, 64), (5, 576), (3, 2100)])
-def test_silu_and_mul_quantized_is_the_product_then_quantize_rows(qdtype, dtype, t, inter):
-    """With `quant`, SwiGLU hands over what quantize_rows makes of its product, bit for bit (inter 2100: two
-    column steps of the quantizing kernel, the second partial); rows of any stride."""
+@pytest.mark.parametrize("whole_row_max", [16384, 256])
+def test_silu_and_mul_quantized_is_the_product_then_quantize_rows(monkeypatch, qdtype, dtype, t, inter, whole_row_max):
+    """With `quant`, SwiGLU hands over what quantize_rows makes of its product, bit for bit, its rows in
+    registers whole or (rows longer than WHOLE_ROW_MAX) in steps of 2048 columns (inter 2100: two, the second
+    partial); rows of any stride."""
+    from engine.kernels import activation
     from engine.kernels.w8a8 import quantize_rows
 
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX", whole_row_max)
     x = _quant_rows(_randn(t, 2 * inter, dtype=dtype, seed=32, scale=4.0))
     _same_quantized(silu_and_mul(x, quant=qdtype), quantize_rows(silu_and_mul(x), qdtype))
     wide = _randn(t, 2 * inter + 30, dtype=dtype, seed=33, scale=4.0)[:, : 2 * inter]
@@ -330,9 +334,13 @@ def test_silu_and_mul_quantized_is_the_product_then_quantize_rows(qdtype, dtype,
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
-def test_a_nan_makes_its_row_scale_nan_in_the_quantizing_norm_and_swiglu(qdtype):
+@pytest.mark.parametrize("whole_row_max", [16384, 32])
+def test_a_nan_makes_its_row_scale_nan_in_the_quantizing_norm_and_swiglu(monkeypatch, qdtype, whole_row_max):
     """As in quantize_rows: a NaN row's scale is NaN (so its linear's output row), the other rows untouched."""
+    from engine.kernels import activation
     from engine.kernels.w8a8 import quantize_rows
+
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX", whole_row_max)
 
     ref = _ref_norm(64, torch.float32, seed=64)
     x = _randn(3, 64, dtype=torch.float32, seed=34, scale=3.0)
@@ -344,6 +352,59 @@ def test_a_nan_makes_its_row_scale_nan_in_the_quantizing_norm_and_swiglu(qdtype)
         assert s[1].isnan().all() and s[[0, 2]].isfinite().all()
         clean_q, clean_s = quantize_rows(plain[[0, 2]], qdtype)
         assert torch.equal(s[[0, 2]], clean_s) and torch.equal(q[[0, 2]].view(torch.int8), clean_q.view(torch.int8))
+
+
+_COMPILE_QUANTIZING = """
+import os, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels.activation import _silu_and_mul_quant_kernel
+from engine.kernels.norm import _rms_norm_kernel
+
+def compiled(kernel, sig, constexprs, warps):
+    sig = sig | dict.fromkeys(constexprs, "constexpr")
+    src = ASTSource(kernel, sig, constexprs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    path = tempfile.mktemp(suffix=".cubin")
+    open(path, "wb").write(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+
+for int8 in (False, True):
+    q, qmax = ("*i8", 127.0) if int8 else ("*fp8e4nv", 448.0)
+    strides = dict.fromkeys([f"{t}_s{i}" for t in "xro" for i in range(3)], "i32")
+    sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": q, **strides, "scale_ptr": "*fp32",
+           "n_cols": "i32", "eps": "fp32"}
+    norm = {"HAS_RESIDUAL": True, "BLOCK": 4096, "QUANT": True, "QMAX": qmax, "INT8": int8,
+            "NORM_DTYPE": tl.bfloat16}
+    print("norm", int8, compiled(_rms_norm_kernel, sig, norm, 8).split("REG:")[1].split()[:4])
+    sig = {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "x_s0": "i32", "x_s1": "i32", "inter": "i32"}
+    for whole, block, warps in ((True, 16384, 16), (False, 2048, 4)):
+        silu = {"QMAX": qmax, "INT8": int8, "BLOCK": block, "WHOLE_ROW": whole}
+        print("silu", int8, compiled(_silu_and_mul_quant_kernel, sig, silu, warps).split("REG:")[1].split()[:4])
+"""
+
+
+@pytest.mark.slow
+def test_quantizing_norm_and_swiglu_compile_for_sm90_without_spills():
+    """The quantizing RMSNorm (hidden 4096) and SwiGLU (Llama-3-8B's 14336 columns in registers, and the stepped
+    variant for longer rows), int8 and fp8 on bf16 input, compile for sm_90 without a GPU (Triton and the tools
+    of its wheel), nothing spilled to local memory (the whole-row SwiGLU: 128 registers a thread at 16 warps)."""
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
+    # A process of its own: the kernels of this one are the interpreter's (TRITON_INTERPRET=1).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_QUANTIZING], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6 and all("'LOCAL:0'" in line for line in lines), lines
 
 
 # ---------------------------------------------------------------- CUDA: bf16, large shapes, graphs

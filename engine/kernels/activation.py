@@ -7,9 +7,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant_tiles import ROW_TILES
-from engine.kernels.w8a8 import _quantize, _row_scale, qmax
+from engine.kernels.w8a8 import _quantize, _row_scale, qmax, quantize_row
 
 _BLOCK = 1024
+# The quantizing kernel holds a row of up to this many products in registers (16 warps: 32 a thread), so each
+# program has its whole row's loads in flight at once (Llama-3-8B's 14336); longer rows go in steps.
+WHOLE_ROW_MAX = 16384
 
 
 @triton.jit
@@ -36,27 +39,34 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr)
 @triton.jit
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, scale_ptr, x_s0, x_s1, inter,
-    QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr,
+    QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):  # fmt: skip
-    """One row's silu(gate) * up quantized as quantize_rows quantizes the rounded product: a first pass finds
-    the row's absolute maximum, a second computes the products again (the same instructions, so the same
-    values; the row is in L2 by then) and stores them quantized at the row's scale."""
+    """One row's silu(gate) * up quantized as quantize_rows quantizes the rounded product. WHOLE_ROW (BLOCK
+    covers the row): the row in registers, read once. Else in BLOCK-column steps, two passes: the row's
+    absolute maximum, then the products computed again (the same instructions, so the same values; the row
+    is in L2 by then) and stored quantized at the row's scale."""
     t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * x_s0
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the unquantized product's dtype: gate_up's
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    nans = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c0 in range(0, inter, BLOCK):
-        h = _silu_mul(row, c0 + offs, c0 + offs < inter, x_s1, inter, DTYPE)
-        amax = tl.maximum(amax, tl.abs(h))
-        nans = tl.where(h != h, h, nans)  # a NaN makes the row's scale NaN, as in quantize_rows
-    scale = _row_scale(tl.max(amax, axis=0), QMAX)
-    for c0 in range(0, inter, BLOCK):
-        mask = c0 + offs < inter
-        h = _silu_mul(row, c0 + offs, mask, x_s1, inter, DTYPE)
-        tl.store(q_ptr + t * inter + c0 + offs, _quantize(tl.div_rn(h, scale), QMAX, INT8), mask=mask)
-    tl.store(scale_ptr + t, scale + tl.sum(nans, axis=0))
+    if WHOLE_ROW:
+        mask = offs < inter
+        q, scale = quantize_row(_silu_mul(row, offs, mask, x_s1, inter, DTYPE), QMAX, INT8)
+        tl.store(q_ptr + t * inter + offs, q, mask=mask)
+        tl.store(scale_ptr + t, scale)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        nans = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, inter, BLOCK):
+            h = _silu_mul(row, c0 + offs, c0 + offs < inter, x_s1, inter, DTYPE)
+            amax = tl.maximum(amax, tl.abs(h))
+            nans = tl.where(h != h, h, nans)  # a NaN makes the row's scale NaN, as in quantize_rows
+        scale = _row_scale(tl.max(amax, axis=0), QMAX)
+        for c0 in range(0, inter, BLOCK):
+            mask = c0 + offs < inter
+            h = _silu_mul(row, c0 + offs, mask, x_s1, inter, DTYPE)
+            tl.store(q_ptr + t * inter + c0 + offs, _quantize(tl.div_rn(h, scale), QMAX, INT8), mask=mask)
+        tl.store(scale_ptr + t, scale + tl.sum(nans, axis=0))
 
 
 def silu_and_mul(
@@ -76,12 +86,15 @@ def silu_and_mul(
         assert gate_up.dim() == 2 and out is None, "a quantized SwiGLU is of [tokens, 2 * I] rows, into new tensors"
         q = torch.empty((x.shape[0], inter), dtype=quant, device=x.device)
         scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        whole = triton.next_power_of_2(inter)
+        if whole <= WHOLE_ROW_MAX:  # one block per row, warps as the RMSNorm kernel takes them
+            block, warps = whole, max(1, min(16, whole // 512))
+        else:  # steps of the activation quantizer's tiles, as quantize_rows takes a row
+            block, warps = ROW_TILES.block, ROW_TILES.num_warps
         if x.shape[0] > 0:
             _silu_and_mul_quant_kernel[(x.shape[0],)](
-                x, q, scales, x.stride(0), x.stride(1), inter,
-                QMAX=qmax(quant), INT8=quant == torch.int8,
-                # A row per program, as quantize_rows takes it, with the activation quantizer's tiles.
-                BLOCK=min(ROW_TILES.block, triton.next_power_of_2(inter)), num_warps=ROW_TILES.num_warps,
+                x, q, scales, x.stride(0), x.stride(1), inter, QMAX=qmax(quant), INT8=quant == torch.int8,
+                BLOCK=block, WHOLE_ROW=block == whole, num_warps=warps,
             )  # fmt: skip
         return q, scales
     shape = (*gate_up.shape[:-1], inter)
