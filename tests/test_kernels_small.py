@@ -275,12 +275,22 @@ FP8 = torch.float8_e4m3fn
 QDTYPES = [torch.int8, FP8]
 
 
-def _same_quantized(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Bit for bit: the 8-bit values (compared as bytes) and the float32 scales (NaN where expected is)."""
+def _same_quantized(
+    got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor], exact: bool = True
+) -> None:
+    """Bit for bit: the 8-bit values (compared as bytes) and the float32 scales (NaN where expected is). Not
+    `exact`: the scales within a float32 ulp or two and at most 1% of the values one code apart."""
     (q, s), (eq, es) = got, expected
     assert q.dtype == eq.dtype and q.shape == eq.shape and q.is_contiguous() and s.shape == es.shape
-    assert torch.equal(q.view(torch.int8), eq.view(torch.int8))
-    assert torch.equal(s.isnan(), es.isnan()) and torch.equal(s.nan_to_num(), es.nan_to_num())
+    assert torch.equal(s.isnan(), es.isnan())
+    if exact:
+        assert torch.equal(q.view(torch.int8), eq.view(torch.int8))
+        assert torch.equal(s.nan_to_num(), es.nan_to_num())
+        return
+    torch.testing.assert_close(s.nan_to_num(), es.nan_to_num(), rtol=3e-7, atol=0)
+    # fp8 E4M3 codes of one sign are ordered as their bytes: a byte apart is a code apart
+    apart = (q.view(torch.int8).int() - eq.view(torch.int8).int()).abs()
+    assert apart.max() <= 1 and (apart > 0).float().mean() <= 0.01
 
 
 def _quant_rows(x: torch.Tensor) -> torch.Tensor:
@@ -303,16 +313,20 @@ def test_rms_norm_quantized_is_the_norm_then_quantize_rows(qdtype, dtype, t, hid
     x = _randn(t, hidden, dtype=dtype, seed=30, scale=3.0)
     residual = _quant_rows(_randn(t, hidden, dtype=dtype, seed=31, scale=3.0))
     w = ref.weight.data
+    # A float32 norm is quantized unrounded, and on CUDA the compiler may order the fused kernel's arithmetic
+    # otherwise than the plain one's: a last-bit difference in a row's maximum moves its scale by an ulp (seen
+    # on an H200 at hidden 576). 16-bit rows are rounded first, and the interpreter computes in numpy.
+    exact = dtype != torch.float32 or DEV != "cuda"
     expected = quantize_rows(rms_norm(_quant_rows(x), w, ref.eps), qdtype)
-    _same_quantized(rms_norm(_quant_rows(x), w, ref.eps, quant=qdtype), expected)
+    _same_quantized(rms_norm(_quant_rows(x), w, ref.eps, quant=qdtype), expected, exact)
     expected_out, expected_sum = rms_norm(x, w, ref.eps, residual=residual.clone())
     got, got_sum = rms_norm(x, w, ref.eps, residual=residual, quant=qdtype)
-    _same_quantized(got, quantize_rows(expected_out, qdtype))
+    _same_quantized(got, quantize_rows(expected_out, qdtype), exact)
     assert torch.equal(got_sum, expected_sum)
     if qdtype == torch.int8:  # and so the torch reference's rounding (quantize_rows int8 is bit for bit it)
         from engine.layers.linear import quantize_per_row
 
-        _same_quantized(got, quantize_per_row(expected_out, qdtype))
+        _same_quantized(got, quantize_per_row(expected_out, qdtype), exact)
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)

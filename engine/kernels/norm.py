@@ -105,6 +105,9 @@ def rms_norm(
     With `quant` (torch.int8 or float8_e4m3fn; x 2-d, `out` unused): in place of norm(x), the pair
     (q, scale) that engine/kernels/w8a8.py quantize_rows(norm(x), quant) returns, bit for bit (contiguous
     [rows, hidden] 8-bit values, float32 [rows, 1] scales); the normed rows themselves are never stored.
+    16-bit rows are rounded before they are quantized; float32 rows are not, and on CUDA the compiler may
+    order this kernel's float32 arithmetic otherwise than the plain one's, so a row's scale can differ
+    in its last bit there (measured on an H200; no served model computes its norms in float32 on CUDA).
     """
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, hidden)
