@@ -53,7 +53,9 @@ def prompt_logits(llm: LLM, ids: list[int], chunk: int | None = None) -> torch.T
             part = ids[start : start + step]
             positions = np.arange(start, start + len(part))
             meta = attention_metadata(runner.backend, block, runner.device, [len(part)], positions, [table])
-            hidden = runner.model(torch.tensor(part, device=runner.device), torch.from_numpy(positions), meta)
+            hidden = runner.model(
+                torch.tensor(part, device=runner.device), torch.from_numpy(positions).to(runner.device), meta
+            )
             logits.append(runner.model.compute_logits(hidden).float())
     return torch.cat(logits)
 

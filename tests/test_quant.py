@@ -742,7 +742,8 @@ def test_quantize_rows_int8_is_the_reference_bit_for_bit(static):
     for dtype in (torch.float32, torch.bfloat16):
         if dtype == torch.bfloat16:
             ref_q, ref_s = layer._quantize_input(x.bfloat16())
-        q, s = quantize_rows(x.to(dtype).to(DEV), torch.int8, layer.input_scale, config=RowTiles(128))  # 3 steps
+        static_scale = None if layer.input_scale is None else layer.input_scale.to(DEV)
+        q, s = quantize_rows(x.to(dtype).to(DEV), torch.int8, static_scale, config=RowTiles(128))  # 3 steps
         assert torch.equal(q.cpu(), ref_q) and torch.equal(s.cpu(), ref_s)
 
 
@@ -1082,3 +1083,149 @@ def test_scaled_linear_split_gemm_replays_in_a_cuda_graph(monkeypatch, fused):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, layer(x)) and not layer.counters.any()
+
+
+# ----- activations quantized by the kernel that produces them (the RMSNorm / SwiGLU before a W8A8 linear) -----
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8])
+def test_scaled_linear_takes_a_quantized_activation_and_names_when(qdtype):
+    """A QuantizedActivation goes straight to the product: the output equals the layer's on the plain rows it
+    was quantized from, bit for bit. fused_input_quant asks for one only from the Triton kernels, only for a
+    W8A8 linear with dynamic input scales."""
+    from engine.layers.linear import QuantizedActivation, fused_input_quant
+    from engine.ops import TORCH_OPS, Ops
+
+    g = torch.Generator().manual_seed(20)
+    wq, ws = quantize_per_row(torch.randn(40, 96, generator=g), qdtype)
+    layer = ScaledLinear(wq, ws.flatten(), torch.randn(40, generator=g), torch.float32)
+    x = torch.randn(5, 96, generator=g)
+    out = layer(QuantizedActivation(*quantize_per_row(x, qdtype)))
+    assert out.shape == (5, 40) and torch.equal(out, layer(x))
+    triton_ops = Ops("triton", TORCH_OPS.rms_norm, TORCH_OPS.silu_and_mul)  # the table's name is what counts
+    static = ScaledLinear(wq, ws.flatten(), None, torch.float32, input_scale=torch.tensor(0.05))
+    assert fused_input_quant(triton_ops, layer, 5) == qdtype
+    assert fused_input_quant(TORCH_OPS, layer, 5) is None
+    assert fused_input_quant(triton_ops, static, 5) is None
+    assert fused_input_quant(triton_ops, torch.nn.Linear(96, 40), 5) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the tiles pick the GEMM on CUDA only)")
+def test_tiles_that_quantize_inside_the_gemm_keep_the_plain_input(monkeypatch):
+    """Where the 8-bit GEMM's tiles quantize the activations per K step (fused=True), the layer asks for the
+    plain rows (block scales are not per-row ones); rows beyond the Triton GEMM's limit take quantized ones."""
+    from engine.kernels import quant_tiles
+    from engine.kernels.quant_tiles import W8A8Tiles
+
+    wq, ws = _w8a8_weight(40, 256, FP8, torch.Generator().manual_seed(21))
+    layer = ScaledLinear(wq, ws.flatten(), None, torch.bfloat16)
+    monkeypatch.setitem(quant_tiles.W8A8_TABLE, ("fp8", 256, 40, 16), W8A8Tiles(16, 16, 64, 2, fused=True))
+    monkeypatch.setitem(quant_tiles.W8A8_TABLE, ("fp8", 256, 40, 64), W8A8Tiles(64, 16, 64, 2, fused=False))
+    assert layer.input_quant(8) is None and layer.input_quant(40) == FP8
+    assert layer.input_quant(quant_tiles.FP8_TRITON_MAX_M + 1) == FP8
+
+
+def _quantized_inputs(model) -> dict[str, list[bool]]:
+    """Forward pre-hooks recording, per projection name, whether each call's input came quantized."""
+    from engine.layers.linear import QuantizedActivation
+
+    seen: dict[str, list[bool]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ScaledLinear):
+            key = name.rpartition(".")[2]
+            module.register_forward_pre_hook(lambda m, a, k=key: seen.setdefault(k, []).append(
+                isinstance(a[0], QuantizedActivation)))  # fmt: skip
+    return seen
+
+
+@pytest.mark.parametrize("source", ["fp8", "ct-w8a8-int8", "ct-w8a8-fp8-static"])
+def test_fused_activation_quantization_gives_the_unfused_logits(tiny_model_dir, quantized_dirs, monkeypatch, source):
+    """W8A8 models on the Triton backend (the interpreter without a GPU): a tiny Llama with --quantization fp8,
+    a tiny Qwen2 (qkv bias) from an int8 compressed-tensors checkpoint. The norms hand qkv_proj and
+    gate_up_proj their input quantized, SwiGLU hands down_proj its input, o_proj quantizes its own, and the
+    prompt logits (prefill, then decode-sized steps over the cache) are those of the unfused path, bit for bit.
+    Static input scales (a checkpoint's calibrated ones) keep every linear quantizing its own input."""
+    pytest.importorskip("triton")
+    from bench.quant_ppl import prompt_logits
+    from engine.kernels.w8a8 import quantize_rows
+    from engine.llm import LLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # The unfused path as CUDA runs it: quantize_rows, not the torch reference, before the product. Under
+        # the interpreter the two differ for fp8 (its cast rounds 127.x down to 64: no carry into the exponent),
+        # while the kernels that fuse the quantization round as quantize_rows does.
+        def quantize_input(self, x):
+            return quantize_rows(x.contiguous(), self.weight.dtype, self.input_scale)
+
+        monkeypatch.setattr(ScaledLinear, "_quantize_input", quantize_input)
+    ids = [1, 17, 42, 99, 7, 300, 12, 5, 6, 7, 250, 3]
+    if source == "fp8":
+        model, kwargs = tiny_model_dir("llama"), {"quantization": "fp8"}
+    else:
+        model, kwargs = quantized_dirs(source), {}
+    # bfloat16 on CUDA: a float32 norm may differ from the plain kernel's in the last bit there (see
+    # test_rms_norm_quantized_is_the_norm_then_quantize_rows); 16-bit rows are rounded before they are quantized
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    llm = LLM(str(model), dtype=dtype, device=device, attention_backend="triton", max_model_len=64,
+              num_gpu_blocks_override=16, **kwargs)  # fmt: skip
+    seen = _quantized_inputs(llm.engine.runner.model)
+    fused = [prompt_logits(llm, ids), prompt_logits(llm, ids, chunk=1)]
+    static = source.endswith("static")
+    fusing = {not static}
+    expected = {"qkv_proj": fusing, "o_proj": {False}, "gate_up_proj": fusing, "down_proj": fusing}
+    assert {k: set(v) for k, v in seen.items()} == expected
+    monkeypatch.setattr(ScaledLinear, "input_quant", lambda self, rows: None)  # each linear quantizes its input
+    seen.clear()
+    unfused = [prompt_logits(llm, ids), prompt_logits(llm, ids, chunk=1)]
+    assert set(sum(seen.values(), [])) == {False}
+    for got, ref in zip(fused, unfused):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16, fp8 as the GPU rounds, 8B shapes)")
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+def test_cuda_norm_and_swiglu_quantized_inputs_give_the_layer_output_at_8b_shapes(qdtype):
+    """qkv_proj after the quantizing RMSNorm and down_proj after the quantizing SwiGLU, Llama-3-8B sizes, bf16,
+    decode and prompt row counts: wherever the layer takes a quantized input (input_quant), its output is the
+    one it gives on the plain rows, bit for bit (the Triton GEMM, torch._scaled_mm / _int_mm past its limit)."""
+    from engine.kernels.activation import silu_and_mul
+    from engine.kernels.norm import rms_norm
+    from engine.layers.linear import QuantizedActivation
+
+    g = torch.Generator(device="cuda").manual_seed(22)
+    norm_w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+    wq, ws = _w8a8_weight(6144, 4096, qdtype, torch.Generator().manual_seed(23))
+    qkv = ScaledLinear(wq, ws.flatten(), None, torch.bfloat16)
+    wq, ws = _w8a8_weight(4096, 14336, qdtype, torch.Generator().manual_seed(24))
+    down = ScaledLinear(wq, ws.flatten(), None, torch.bfloat16)
+    taken = 0
+    for m in (1, 16, 33, 64, 200):
+        x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+        gate_up = (torch.randn(m, 2 * 14336, device="cuda", generator=g) * 3).bfloat16()
+        for layer, plain, quantized in (
+            (qkv, rms_norm(x, norm_w, 1e-5), rms_norm(x, norm_w, 1e-5, quant=qdtype)),
+            (down, silu_and_mul(gate_up), silu_and_mul(gate_up, quant=qdtype)),
+        ):
+            if layer.input_quant(m) is not None:
+                taken += 1
+                assert torch.equal(layer(QuantizedActivation(*quantized)), layer(plain)), (m, layer.in_features)
+    assert taken >= 8  # the tiles quantize inside the GEMM at few rows for some shapes only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (decode CUDA graphs)")
+def test_cuda_fused_activation_quantization_replays_in_the_decode_graphs(tiny_model_dir):
+    """A tiny Llama with --quantization fp8 on the Triton backend: the decode graphs, captured with the norms and
+    SwiGLU quantizing for their linears, give the greedy tokens of eager steps, batch 1 to 5."""
+    from engine import LLM, SamplingParams
+
+    prompts = [[1, 17, 42, 99, 7], [5, 6, 7], list(range(40, 60)), [300, 2], [9] * 11]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", device="cuda", attention_backend="triton",
+                  quantization="fp8", max_model_len=64, num_gpu_blocks_override=32, enforce_eager=eager)  # fmt: skip
+        assert (llm.engine.runner.graphs is None) == eager
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert tokens[0] == tokens[1]

@@ -1,4 +1,4 @@
-"""SwiGLU (silu(gate) * up on a fused gate/up projection) as a Triton kernel."""
+"""SwiGLU (silu(gate) * up on a fused gate/up projection) as a Triton kernel, optionally quantized per row."""
 
 from __future__ import annotations
 
@@ -6,7 +6,23 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quant_tiles import ROW_TILES
+from engine.kernels.w8a8 import _quantize, _row_scale, qmax, quantize_row
+
 _BLOCK = 1024
+# The quantizing kernel holds a row of up to this many products in registers (16 warps: 32 a thread), so each
+# program has its whole row's loads in flight at once (Llama-3-8B's 14336); longer rows go in steps.
+WHOLE_ROW_MAX = 16384
+
+
+@triton.jit
+def _silu_mul(row, cols, mask, x_s1, inter, dtype: tl.constexpr):
+    """silu(gate) * up at `cols` of one row, rounded to `dtype`, returned in float32."""
+    gate = tl.load(row + cols * x_s1, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + (cols + inter) * x_s1, mask=mask, other=0.0).to(tl.float32)
+    # Like the reference: F.silu rounds to the input dtype, then the product rounds again.
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -15,27 +31,72 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    row = x_ptr + t * x_s0
-    gate = tl.load(row + cols * x_s1, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + (cols + inter) * x_s1, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # Like the reference: F.silu rounds to the input dtype, then the product rounds again.
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(
-        out_ptr + t * inter + cols,  # out is contiguous
-        (silu * up).to(dtype),
-        mask=mask,
-    )
+    h = _silu_mul(x_ptr + t * x_s0, cols, mask, x_s1, inter, dtype)
+    tl.store(out_ptr + t * inter + cols, h.to(dtype), mask=mask)  # out is contiguous
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, x_s0, x_s1, inter,
+    QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+):  # fmt: skip
+    """One row's silu(gate) * up quantized as quantize_rows quantizes the rounded product. WHOLE_ROW (BLOCK
+    covers the row): the row in registers, read once. Else in BLOCK-column steps, two passes: the row's
+    absolute maximum, then the products computed again (the same instructions, so the same values; the row
+    is in L2 by then) and stored quantized at the row's scale."""
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * x_s0
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the unquantized product's dtype: gate_up's
+    offs = tl.arange(0, BLOCK)
+    if WHOLE_ROW:
+        mask = offs < inter
+        q, scale = quantize_row(_silu_mul(row, offs, mask, x_s1, inter, DTYPE), QMAX, INT8)
+        tl.store(q_ptr + t * inter + offs, q, mask=mask)
+        tl.store(scale_ptr + t, scale)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        nans = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, inter, BLOCK):
+            h = _silu_mul(row, c0 + offs, c0 + offs < inter, x_s1, inter, DTYPE)
+            amax = tl.maximum(amax, tl.abs(h))
+            nans = tl.where(h != h, h, nans)  # a NaN makes the row's scale NaN, as in quantize_rows
+        scale = _row_scale(tl.max(amax, axis=0), QMAX)
+        for c0 in range(0, inter, BLOCK):
+            mask = c0 + offs < inter
+            h = _silu_mul(row, c0 + offs, mask, x_s1, inter, DTYPE)
+            tl.store(q_ptr + t * inter + c0 + offs, _quantize(tl.div_rn(h, scale), QMAX, INT8), mask=mask)
+        tl.store(scale_ptr + t, scale + tl.sum(nans, axis=0))
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, quant: torch.dtype | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[..., 2 * I] -> [..., I] = silu(gate) * up, gate the first half.
 
-    Written into `out` when given (contiguous, gate_up's dtype), else into a new tensor."""
+    Written into `out` when given (contiguous, gate_up's dtype), else into a new tensor. With `quant`
+    (torch.int8 or float8_e4m3fn; gate_up 2-d, `out` unused): in place of the product, the pair (q, scale)
+    that engine/kernels/w8a8.py quantize_rows(silu_and_mul(gate_up), quant) returns, bit for bit (contiguous
+    [rows, I] 8-bit values, float32 [rows, 1] scales); the product itself is never stored."""
     two_i = gate_up.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
     x = gate_up.reshape(-1, two_i)  # a view for 2-d inputs, whatever their row stride
+    if quant is not None:
+        assert gate_up.dim() == 2 and out is None, "a quantized SwiGLU is of [tokens, 2 * I] rows, into new tensors"
+        q = torch.empty((x.shape[0], inter), dtype=quant, device=x.device)
+        scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        whole = triton.next_power_of_2(inter)
+        if whole <= WHOLE_ROW_MAX:  # one block per row, warps as the RMSNorm kernel takes them
+            block, warps = whole, max(1, min(16, whole // 512))
+        else:  # steps of the activation quantizer's tiles, as quantize_rows takes a row
+            block, warps = ROW_TILES.block, ROW_TILES.num_warps
+        if x.shape[0] > 0:
+            _silu_and_mul_quant_kernel[(x.shape[0],)](
+                x, q, scales, x.stride(0), x.stride(1), inter, QMAX=qmax(quant), INT8=quant == torch.int8,
+                BLOCK=block, WHOLE_ROW=block == whole, num_warps=warps,
+            )  # fmt: skip
+        return q, scales
     shape = (*gate_up.shape[:-1], inter)
     if out is None:
         out = torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)

@@ -32,7 +32,8 @@ from engine.kernels.quant_tiles import ROW_TILES, W8A8_TABLE, RowTiles, W8A8Tile
 FP8 = torch.float8_e4m3fn
 
 
-def _qmax(qdtype: torch.dtype) -> float:
+def qmax(qdtype: torch.dtype) -> float:
+    """The largest magnitude of int8 or fp8 E4M3: the quantizers' QMAX."""
     return 127.0 if qdtype == torch.int8 else torch.finfo(FP8).max
 
 
@@ -50,6 +51,22 @@ def _quantize(v, QMAX: tl.constexpr, INT8: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(amax, QMAX: tl.constexpr):
+    """A row's scale from its absolute maximum: amax / qmax in IEEE float32, floored at 1e-12 / qmax."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), QMAX)
+
+
+@triton.jit
+def quantize_row(v, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """One whole row in registers (float32, padding 0) quantized as quantize_rows quantizes it: (values, scale),
+    the scale NaN where the row holds a NaN (see _quantize_rows_kernel). For the kernels that produce a W8A8
+    linear's input (engine/kernels/norm.py, activation.py) and hand it over quantized."""
+    scale = _row_scale(tl.max(tl.abs(v), axis=0), QMAX)
+    q = _quantize(tl.div_rn(v, scale), QMAX, INT8)
+    return q, scale + tl.sum(tl.where(v != v, v, 0.0), axis=0)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, K, sxm,
     QMAX: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
@@ -64,7 +81,7 @@ def _quantize_rows_kernel(
         for k0 in range(0, K, BLOCK):
             v = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+        scale = _row_scale(tl.max(amax, axis=0), QMAX)
     # NaNs seen in the row: tl.maximum / tl.minimum return the non-NaN operand (maxnum), so a NaN would
     # otherwise become -QMAX and the row a finite, wrong result. The row's scale is made NaN instead, and
     # with it the row's output, which the engine's non-finite-logits check then fails on its own.
@@ -91,7 +108,7 @@ def quantize_rows(
     assert x.stride(1) == 1, "rows must be contiguous"
     _quantize_rows_kernel[(m,)](
         x, q, scales, scales if static_scale is None else static_scale, k, x.stride(0),
-        QMAX=_qmax(qdtype), INT8=qdtype == torch.int8,
+        QMAX=qmax(qdtype), INT8=qdtype == torch.int8,
         STATIC=static_scale is not None, BLOCK=min(config.block, triton.next_power_of_2(k)),
         num_warps=config.num_warps,
     )  # fmt: skip
@@ -209,7 +226,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config: W8A8Tiles | None, counter
     part, counters = _split_buffers(split, config.block_m, n, slices, counters, a.device, part_dtype)
     _scaled_gemm_kernel[(slices, split, triton.cdiv(m, config.block_m))](
         a, b, a_scale, b_scale, out, part, counters, m, n, k, a.stride(0), span, split,
-        QMAX=_qmax(b.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        QMAX=qmax(b.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         INT8=int8, FUSED=fused, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from engine.ops import Ops
 from engine.quant import IntWeight, concat_outputs, pack_int32
 
 
@@ -152,6 +155,26 @@ def block_scaled_matmul(
     return (acc * weight_scale).to(out_dtype)
 
 
+@dataclass
+class QuantizedActivation:
+    """A linear's input quantized per row by the Triton kernel that produced it (engine/kernels/norm.py,
+    engine/kernels/activation.py), exactly as engine/kernels/w8a8.py quantize_rows would quantize it:
+    contiguous [M, K] fp8 E4M3 or int8 values, float32 [M, 1] scales. Only a ScaledLinear takes one."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def fused_input_quant(ops: Ops, linear: nn.Module, rows: int) -> torch.dtype | None:
+    """The 8-bit type in which the kernel of `ops` that produces `linear`'s input (`rows` of them) should hand
+    it over, quantized per row; None where it hands over the plain activations: kernels other than pagoda's
+    Triton ones (the CPU keeps the torch reference), a linear that is not W8A8 with dynamic input scales, or
+    tiles that quantize inside the GEMM (ScaledLinear.input_quant)."""
+    if ops.name != "triton" or not isinstance(linear, ScaledLinear):
+        return None
+    return linear.input_quant(rows)
+
+
 class ScaledLinear(nn.Module):
     """W8A8: weight [N, K] in fp8 E4M3 or int8 with per-output-channel float32 scales; activations quantized
     per token at run time (or with one static scale a checkpoint gives). On CUDA up to INT8_TRITON_MAX_M /
@@ -159,7 +182,11 @@ class ScaledLinear(nn.Module):
     with the scales in its epilogue: fused (the activations quantized inside it per row and K step) where its
     tiles say so and the input scale is dynamic, else after quantize_rows (one Triton launch). More rows are
     quantized so and go through torch._int_mm / torch._scaled_mm. The CPU runs the torch reference, which
-    rounds the same way as quantize_rows and multiplies in float32."""
+    rounds the same way as quantize_rows and multiplies in float32.
+
+    The input may also come quantized already (a QuantizedActivation: the RMSNorm or SwiGLU kernel before the
+    layer quantized it as quantize_rows would, see fused_input_quant): then only the product runs, the
+    same one as after quantize_rows, so the output is bit for bit the same."""
 
     def __init__(
         self,
@@ -180,11 +207,6 @@ class ScaledLinear(nn.Module):
         # here once, left zeroed by every launch.
         counters = torch.zeros(-(-self.out_features // 16), dtype=torch.int32, device=weight.device)
         self.register_buffer("counters", counters, persistent=False)
-        cuda = weight.device.type == "cuda"
-        if weight.dtype == FP8:
-            self._matmul = self._fp8_cuda if cuda else self._reference
-        else:
-            self._matmul = self._int8_cuda if cuda else self._reference
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference of engine/kernels/w8a8.py quantize_rows."""
@@ -195,45 +217,81 @@ class ScaledLinear(nn.Module):
         q = scaled.to(FP8) if self.weight.dtype == FP8 else scaled.round().to(torch.int8)
         return q, self.input_scale.expand(x.shape[0], 1)
 
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
+    def _reference_product(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         out = (xq.float() @ self.weight.float().t()) * xs * self.weight_scale
         return out.to(self.dtype)
 
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reference_product(*self._quantize_input(x))
+
+    def _kind(self) -> str:
+        return "fp8" if self.weight.dtype == FP8 else "int8"
+
+    def _tiles(self, rows: int, kind: str | None = None):
+        """The Triton 8-bit GEMM's tiles (a W8A8Tiles) for `rows` rows."""
+        from engine.kernels.quant_gemm import _num_sms
+        from engine.kernels.w8a8 import w8a8_tiles
+
+        n, k = self.out_features, self.in_features
+        return w8a8_tiles(kind or self._kind(), rows, n, k, _num_sms(self.weight.device))
+
+    def _triton_rows(self, rows: int) -> bool:
+        """Whether `rows` rows take the Triton 8-bit GEMM: on CUDA, up to the kind's limit."""
+        from engine.kernels import quant_tiles
+
+        limit = quant_tiles.FP8_TRITON_MAX_M if self.weight.dtype == FP8 else quant_tiles.INT8_TRITON_MAX_M
+        return self.weight.device.type == "cuda" and rows <= limit
+
+    def input_quant(self, rows: int) -> torch.dtype | None:
+        """The 8-bit type this layer takes `rows` inputs in when their producer quantizes them per row (a
+        QuantizedActivation); None where it must see the plain activations: a static input scale, or tiles
+        that quantize inside the GEMM (per K step, finer than per row)."""
+        if self.input_scale is not None or (self._triton_rows(rows) and self._tiles(rows).fused):
+            return None
+        return self.weight.dtype
+
+    def _product(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """Quantized rows times the weight, scaled: the Triton GEMM, torch's 8-bit GEMMs, or the CPU reference."""
+        if self.weight.device.type != "cuda":
+            return self._reference_product(xq, xs)
+        if self._triton_rows(xq.shape[0]):
+            from engine.kernels.w8a8 import scaled_matmul
+
+            tiles = self._tiles(xq.shape[0])
+            return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype, tiles, self.counters)
+        if self.weight.dtype == FP8:
+            # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
+            w = self.weight.t()
+            return torch._scaled_mm(xq, w, scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
+        return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
+
     def _triton(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """The Triton 8-bit GEMM, fused or after quantize_rows as its tiles (and a static input scale) say."""
-        from engine.kernels.quant_gemm import _num_sms
-        from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul, w8a8_tiles
+        from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul
 
-        config = w8a8_tiles(kind, x.shape[0], self.out_features, self.in_features, _num_sms(x.device))
+        config = self._tiles(x.shape[0], kind)
         if config.fused and self.input_scale is None:
             return fused_scaled_matmul(x, self.weight, self.weight_scale, self.dtype, config, self.counters)
         xq, xs = quantize_rows(x, self.weight.dtype, self.input_scale)
         return scaled_matmul(xq, xs, self.weight, self.weight_scale, self.dtype, config, self.counters)
 
-    def _fp8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.quant_tiles import FP8_TRITON_MAX_M
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain [M, K] activations: the CPU reference, the Triton GEMM, or quantize_rows and torch's GEMM."""
+        if self.weight.device.type != "cuda":
+            return self._reference(x)
+        x = x.contiguous()
+        if self._triton_rows(x.shape[0]):
+            return self._triton(x, self._kind())
         from engine.kernels.w8a8 import quantize_rows
 
-        x = x.contiguous()
-        if x.shape[0] <= FP8_TRITON_MAX_M:
-            return self._triton(x, "fp8")
-        xq, xs = quantize_rows(x, FP8, self.input_scale)
-        # The weight's transpose is column-major, the layout _scaled_mm wants for its second operand.
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
+        return self._product(*quantize_rows(x, self.weight.dtype, self.input_scale))
 
-    def _int8_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.quant_tiles import INT8_TRITON_MAX_M
-        from engine.kernels.w8a8 import quantize_rows
-
-        x = x.contiguous()
-        if x.shape[0] <= INT8_TRITON_MAX_M:
-            return self._triton(x, "int8")
-        xq, xs = quantize_rows(x, torch.int8, self.input_scale)
-        return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(x.reshape(-1, self.in_features))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            assert self.input_scale is None and x.q.dtype == self.weight.dtype, "quantized as input_quant says"
+            out, lead = self._product(x.q, x.scale), x.q.shape[:-1]
+        else:
+            out, lead = self._matmul(x.reshape(-1, self.in_features)), x.shape[:-1]
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*lead, self.out_features)

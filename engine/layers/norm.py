@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.linear import QuantizedActivation
 from engine.ops import TORCH_OPS, Ops
 
 
@@ -16,7 +17,14 @@ class RMSNorm(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: torch.dtype | None = None
+    ) -> torch.Tensor | QuantizedActivation | tuple:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
+        With `quant` (an 8-bit type that engine/layers/linear.py fused_input_quant named, so the Triton ops):
+        norm(...) comes quantized per row, as a QuantizedActivation."""
+        if quant is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        out = self.ops.rms_norm(x, self.weight, self.eps, residual, quant=quant)
+        if residual is None:
+            return QuantizedActivation(*out)
+        return QuantizedActivation(*out[0]), out[1]

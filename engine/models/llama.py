@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention import Attention, AttentionBackend, AttentionMetadata, QKPrep
+from engine.layers.linear import QuantizedActivation, fused_input_quant
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.ops import Ops
@@ -76,7 +77,9 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend.ops) if cfg.qk_norm else None
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, meta: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.q_size // self.head_dim, self.head_dim)
@@ -94,8 +97,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        quant = fused_input_quant(self.ops, self.down_proj, gate_up.shape[0])
+        if quant is None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        return self.down_proj(QuantizedActivation(*self.ops.silu_and_mul(gate_up, quant=quant)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,13 +116,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # W8A8 projections with dynamic input scales take their input quantized by the norm before them.
+        ops, rows = self.mlp.ops, x.shape[0]
+        quant = fused_input_quant(ops, self.self_attn.qkv_proj, rows)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, quant=quant)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quant=quant)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        quant = fused_input_quant(ops, self.mlp.gate_up_proj, rows)
+        x, residual = self.post_attention_layernorm(x, residual, quant=quant)
         return self.mlp(x), residual
 
 
