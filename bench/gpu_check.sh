@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -62,6 +62,15 @@ for step in "$@"; do
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
              --w8a8-kinds ${QUANT_W8A8_KINDS:-fp8 int8} --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
+    # The batch-1 decode GEMV (issue 22) in one call: its tile sweep alone (W4 g128 and W8 per channel at the 8B's
+    # four shapes, each candidate prefetching the next step, beside the table's tiles without prefetch, bf16
+    # and tl.dot; cut at QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B
+    # decode at batch 1, 16 and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
+    quant-gemv) timeout 300 python3 -m bench.quant_gpu --no-layers --sweep gemv --budget ${QUANT_BUDGET:-240} \
+             --out $OUT/quant-gpu.jsonl 2>&1 | tail -30
+           for kind in bf16 w8a16 w4a16-g128; do
+             python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
+           done ;;
     quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;

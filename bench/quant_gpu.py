@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -83,35 +84,47 @@ def _time(call, rep: int = 50) -> float:
 
 
 def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
-    """The GEMV tiles the sweep tries: 32..256 outputs by 8..32 words a step, 4 or 8 warps, 2 to 8 words per
-    thread a step (fewer leave the loads too small; 16 spill registers on sm_90); K split 1..8 ways keeping
-    two steps per split and at most 6 programs per SM."""
+    """The GEMV tiles the sweep tries: 32..256 outputs by 8..64 words a step, 4 or 8 warps, 2 to 16 words per
+    thread a step (fewer leave the loads too small; 16 words, 32 more prefetched, take ~120 registers at one
+    row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most 8 programs per
+    SM; each prefetching the next step (the sweep times the table's tiles without it beside them). Likeliest
+    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
-    return [
+    grid = [
         GemvTiles(bn, bkw, split, nw)
         for bn in (32, 64, 128, 256)
-        for bkw in (8, 16, 32)
-        for split in (1, 2, 4, 8)
+        for bkw in (8, 16, 32, 64)
+        for split in (1, 2, 4, 8, 16)
         for nw in (4, 8)
-        if kw // split >= 2 * bkw and 2 <= bn * bkw // (32 * nw) <= 8 and -(-n // bn) * split <= 6 * num_sms
+        if kw // split >= 2 * bkw and 2 <= bn * bkw // (32 * nw) <= 16 and -(-n // bn) * split <= 8 * num_sms
     ]
 
+    def unlikeliness(t: GemvTiles) -> tuple[float, float]:
+        programs = -(-n // t.block_n) * t.split
+        return abs(math.log2(programs / (3 * num_sms))), abs(math.log2(t.block_n * t.block_kw / (32 * t.num_warps) / 8))
 
-def sweep_gemv(out: Path) -> None:
+    return sorted(grid, key=unlikeliness)
+
+
+def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
     """W4A16 g128 and W8A16 per-channel decode: per Llama-3-8B layer shape, the GEMV's default tiles and each
     candidate at batch 1 (each checked against the dequantized reference first) beside bf16 F.linear and the
     tl.dot kernel; then, with the best batch-1 tiles fitted to the rows, the GEMV against tl.dot at 2 and 4
-    rows (whether GEMV_MAX_M should be lower). Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
+    rows (whether GEMV_MAX_M should be lower). Candidates past the shape's share of `budget_s` (the budget
+    over the (bits, shape) left) are skipped. Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
     from engine.kernels.quant_gemm import gemv_rows, gemv_tiles, mid_tiles, weight_only_matmul
     from engine.quant import pack_int32
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     entries = []
+    deadline, left = time.monotonic() + budget_s, 2 * len(SHAPES)
     for bits, group in ((4, 128), (8, -1)):
         totals = {"bf16": 0.0, "dot": 0.0, "default": 0.0, "best": 0.0}
         for k, n in SHAPES:
+            stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
+            left -= 1
             w = torch.randn(n, k, device="cuda") * 0.02
             iw = quantize_rtn(w, bits, group)
             args = (pack_int32(iw.q, bits, 0), iw.scales.bfloat16(), iw.zeros.bfloat16(), bits, iw.group_size)
@@ -122,8 +135,11 @@ def sweep_gemv(out: Path) -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
+            unfetched = replace(default, prefetch=False)  # what prefetching the next step gains
             timed = {}
-            for config in [default, *gemv_candidates(bits, n, k, sms)]:
+            for config in dict.fromkeys([default, unfetched, *gemv_candidates(bits, n, k, sms)]):
+                if config not in (default, unfetched) and time.monotonic() > stop:
+                    break
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
@@ -136,14 +152,15 @@ def sweep_gemv(out: Path) -> None:
                 totals[key] += us
             row = {
                 "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
-                "default": str(default), "default_us": round(timed[default], 2), "best": str(best),
+                "default": str(default), "default_us": round(timed[default], 2),
+                "no_prefetch_us": round(timed[unfetched], 2), "tried": len(timed), "best": str(best),
                 "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
             }  # fmt: skip
-            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}"
-            _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:22} {timed[best]:7.1f} us "
+            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}" + ("" if best.prefetch else " np")
+            _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:25} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
-                            f"tl.dot {dot:7.1f} | bf16 {bf16:7.1f}")  # fmt: skip
+                            f"no prefetch {timed[unfetched]:7.1f} | tl.dot {dot:7.1f} | bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -519,7 +536,7 @@ def main() -> None:
         help="also time candidate tiles of the decode GEMV, the decode tl.dot kernel and / or the W8A8 kernels "
         "(gemv and w8a8 if none named: `mid` fills a device call of its own)",
     )
-    parser.add_argument("--budget", type=float, default=360.0, help="seconds the `mid` / `w8a8` sweep may take")
+    parser.add_argument("--budget", type=float, default=360.0, help="seconds each sweep named may take")
     parser.add_argument(
         "--w8a8-kinds", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"], help="what `w8a8` sweeps, in order"
     )
@@ -580,7 +597,7 @@ def main() -> None:
     if args.sweep is not None:
         for name in args.sweep or ["gemv", "w8a8"]:
             {
-                "gemv": sweep_gemv,
+                "gemv": partial(sweep_gemv, budget_s=args.budget),
                 "mid": partial(sweep_mid, budget_s=args.budget),
                 "w8a8": partial(sweep_w8a8, budget_s=args.budget, kinds=tuple(args.w8a8_kinds)),
             }[name](out)
