@@ -85,10 +85,11 @@ def _time(call, rep: int = 50) -> float:
 
 def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
     """The GEMV tiles the sweep tries: 32..256 outputs by 8..64 words a step, 4 or 8 warps, 2 to 16 words per
-    thread a step (fewer leave the loads too small; 16 words, 32 more prefetched, take ~120 registers at one
-    row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most 8 programs per
-    SM; each prefetching the next step (the sweep times the table's tiles without it beside them). Likeliest
-    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread."""
+    thread a step (fewer leave the loads too small; 16 words, 32 more prefetched two steps ahead, take ~160
+    registers at one row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most
+    8 programs per SM; each prefetching two steps ahead, then one (the sweep times the table's tiles at 0, 1
+    and 2 beside them). Likeliest first, so a sweep cut by its budget has seen them: about three programs per
+    SM, 8 words per thread."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
@@ -105,7 +106,7 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
         programs = -(-n // t.block_n) * t.split
         return abs(math.log2(programs / (3 * num_sms))), abs(math.log2(t.block_n * t.block_kw / (32 * t.num_warps) / 8))
 
-    return sorted(grid, key=unlikeliness)
+    return [replace(t, prefetch=ahead) for t in sorted(grid, key=unlikeliness) for ahead in (2, 1)]
 
 
 def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
@@ -135,10 +136,11 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
-            unfetched = replace(default, prefetch=False)  # what prefetching the next step gains
+            # The table's tiles at each prefetch depth: what prefetching gains.
+            ahead = {d: replace(default, prefetch=d) for d in (0, 1, 2)}
             timed = {}
-            for config in dict.fromkeys([default, unfetched, *gemv_candidates(bits, n, k, sms)]):
-                if config not in (default, unfetched) and time.monotonic() > stop:
+            for config in dict.fromkeys([default, *ahead.values(), *gemv_candidates(bits, n, k, sms)]):
+                if config != default and config not in ahead.values() and time.monotonic() > stop:
                     break
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 err = ((got - ref).norm() / ref.norm()).item()
@@ -153,14 +155,16 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
             row = {
                 "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
                 "default": str(default), "default_us": round(timed[default], 2),
-                "no_prefetch_us": round(timed[unfetched], 2), "tried": len(timed), "best": str(best),
+                "prefetch_us": [round(timed[c], 2) for c in ahead.values()], "tried": len(timed), "best": str(best),
                 "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
             }  # fmt: skip
-            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}" + ("" if best.prefetch else " np")
+            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps} p{best.prefetch}"
+            depths = " / ".join(f"{timed[c]:.1f}" for c in ahead.values())
             _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:25} {timed[best]:7.1f} us "
-                            f"{nbytes / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
-                            f"no prefetch {timed[unfetched]:7.1f} | tl.dot {dot:7.1f} | bf16 {bf16:7.1f}")  # fmt: skip
+                            f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
+                            f"{timed[default]:7.1f}, prefetch 0/1/2 {depths} | tl.dot {dot:7.1f} | "
+                            f"bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

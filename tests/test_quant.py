@@ -588,7 +588,7 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
     partials and leaves the counters zeroed for the next launch; scales applied per step (a step in one group),
     per word row (steps of several groups) and once per program (a program's span in one group: 4-128-192,
-    8--1-256), with and without prefetching the next step, which leaves every sum as it was (the default
+    8--1-256), prefetching 0, 1 and 2 steps ahead, which leaves every sum as it was (the default
     tiles are in test_weight_only_kernel_matches_the_dequantized_reference)."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
@@ -607,8 +607,9 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
             assert out.dtype == torch.float16 and out.shape == (m, n)
             torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2)
             assert not counters.any()
-            unfetched = dataclasses.replace(config, prefetch=False)
-            assert torch.equal(weight_only_matmul(x.to(DEV), *args, config=unfetched, counters=counters), out)
+            for ahead in (0, 1):
+                other = dataclasses.replace(config, prefetch=ahead)
+                assert torch.equal(weight_only_matmul(x.to(DEV), *args, config=other, counters=counters), out)
 
 
 @pytest.mark.parametrize("bits, m", [(4, 2), (8, 1), (8, 9)])  # the GEMV (4 and 8 bits), the decode tl.dot kernel

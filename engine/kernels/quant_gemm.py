@@ -302,9 +302,11 @@ def _gemv_kernel(
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
-    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once (PREFETCH:
-    the next step's words, scales and zeros are loaded before this step's arithmetic, so a warp's loads
-    stay in flight while it computes) and takes their fields one at a time; every sum stays
+    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once (PREFETCH
+    steps ahead, 0 to 2: the words, scales and zeros of a later step are loaded in this one, so a warp's loads
+    stay in flight while it computes; the compiler issues them late in the step, after most of its arithmetic,
+    so one step ahead hides a part of the latency, two a whole step's) and takes their fields one at a time;
+    every sum stays
     [BLOCK_KW, BLOCK_N] element-wise in registers until the end, so the loop has no cross-thread reduction.
     sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: scale and zero point cost per word
     row and step (SCALES 1: the step lies in one group; 2: each word row its own group), or once after the
@@ -328,14 +330,22 @@ def _gemv_kernel(
     xt3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
     kw_start = pid_k * span
     kw_end = tl.minimum(kw_start + span, KW)
-    if PREFETCH:
+    if PREFETCH > 0:
         words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start, kw_end, N, offs_n, mask_n,
                                                  BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+    if PREFETCH > 1:
+        words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start + BLOCK_KW, kw_end, N, offs_n,
+                                                    mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
     for kw0 in range(kw_start, kw_end, BLOCK_KW):
-        if PREFETCH:
+        if PREFETCH == 1:
             cur, s, z = words, s_next, z_next
             words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + BLOCK_KW, kw_end, N, offs_n,
                                                      mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+        elif PREFETCH == 2:
+            cur, s, z = words, s_next, z_next
+            words, s_next, z_next = words2, s_next2, z_next2
+            words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + 2 * BLOCK_KW, kw_end, N,
+                                                        offs_n, mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
         else:
             cur, s, z = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, offs_n, mask_n, BITS, GROUP,
                                          BLOCK_KW, SCALES)  # fmt: skip

@@ -55,15 +55,15 @@ class W8A8Tiles(Tiles):
 @dataclass(frozen=True)
 class GemvTiles:
     """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
-    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs. `prefetch`: each
-    step loads the next step's words (and scales) before its own arithmetic, so loads stay in flight while a
-    warp computes (without it a warp waits a full memory latency every step)."""
+    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs. `prefetch`: how
+    many steps ahead (0 to 2) a step loads words and scales, so loads stay in flight while a warp computes
+    (with 0 a warp waits a full memory latency every step)."""
 
     block_n: int
     block_kw: int
     split: int
     num_warps: int = 4
-    prefetch: bool = True
+    prefetch: int = 2
 
 
 @dataclass(frozen=True)
