@@ -87,9 +87,9 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
     """The GEMV tiles the sweep tries: 32..256 outputs by 8..64 words a step, 4 or 8 warps, 2 to 16 words per
     thread a step (fewer leave the loads too small; 16 words, 32 more prefetched two steps ahead, take ~160
     registers at one row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most
-    8 programs per SM; each prefetching two steps ahead, then one (the sweep times the table's tiles at 0, 1
-    and 2 beside them). Likeliest first, so a sweep cut by its budget has seen them: about three programs per
-    SM, 8 words per thread."""
+    8 programs per SM; each prefetching two steps ahead into registers, through a 3-stage cp.async pipeline,
+    then one step ahead (the sweep times the table's tiles each way and unpipelined beside them). Likeliest
+    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
@@ -106,7 +106,8 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
         programs = -(-n // t.block_n) * t.split
         return abs(math.log2(programs / (3 * num_sms))), abs(math.log2(t.block_n * t.block_kw / (32 * t.num_warps) / 8))
 
-    return [replace(t, prefetch=ahead) for t in sorted(grid, key=unlikeliness) for ahead in (2, 1)]
+    ways = ((2, 1), (0, 3), (1, 1))  # (prefetch, num_stages)
+    return [replace(t, prefetch=p, num_stages=s) for t in sorted(grid, key=unlikeliness) for p, s in ways]
 
 
 def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
@@ -136,8 +137,9 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
-            # The table's tiles at each prefetch depth: what prefetching gains.
-            ahead = {d: replace(default, prefetch=d) for d in (0, 1, 2)}
+            # The table's tiles unpipelined, prefetching 1 and 2 steps ahead, and through 3 stages: what each gains.
+            ways = {"p0": (0, 1), "p1": (1, 1), "p2": (2, 1), "s3": (0, 3)}
+            ahead = {w: replace(default, prefetch=p, num_stages=s) for w, (p, s) in ways.items()}
             timed = {}
             for config in dict.fromkeys([default, *ahead.values(), *gemv_candidates(bits, n, k, sms)]):
                 if config != default and config not in ahead.values() and time.monotonic() > stop:
@@ -155,15 +157,16 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
             row = {
                 "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
                 "default": str(default), "default_us": round(timed[default], 2),
-                "prefetch_us": [round(timed[c], 2) for c in ahead.values()], "tried": len(timed), "best": str(best),
+                "ways_us": {w: round(timed[c], 2) for w, c in ahead.items()}, "tried": len(timed), "best": str(best),
                 "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
             }  # fmt: skip
-            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps} p{best.prefetch}"
+            t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}"
+            t += f" p{best.prefetch} st{best.num_stages}"
             depths = " / ".join(f"{timed[c]:.1f}" for c in ahead.values())
             _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:25} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
-                            f"{timed[default]:7.1f}, prefetch 0/1/2 {depths} | tl.dot {dot:7.1f} | "
+                            f"{timed[default]:7.1f}, p0/p1/p2/st3 {depths} | tl.dot {dot:7.1f} | "
                             f"bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):

@@ -588,8 +588,8 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
     partials and leaves the counters zeroed for the next launch; scales applied per step (a step in one group),
     per word row (steps of several groups) and once per program (a program's span in one group: 4-128-192,
-    8--1-256), prefetching 0, 1 and 2 steps ahead, which leaves every sum as it was (the default
-    tiles are in test_weight_only_kernel_matches_the_dequantized_reference)."""
+    8--1-256), prefetching 0, 1 and 2 steps ahead or pipelined in 3 stages, which leaves every sum as it was
+    (the default tiles are in test_weight_only_kernel_matches_the_dequantized_reference)."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
     from engine.kernels.quant_tiles import GemvTiles
@@ -607,8 +607,8 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
             assert out.dtype == torch.float16 and out.shape == (m, n)
             torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2)
             assert not counters.any()
-            for ahead in (0, 1):
-                other = dataclasses.replace(config, prefetch=ahead)
+            for ahead, stages in ((0, 1), (1, 1), (0, 3)):
+                other = dataclasses.replace(config, prefetch=ahead, num_stages=stages)
                 assert torch.equal(weight_only_matmul(x.to(DEV), *args, config=other, counters=counters), out)
 
 

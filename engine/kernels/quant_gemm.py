@@ -298,15 +298,17 @@ def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, sxm, sxk, span, SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, HAS_PERM: tl.constexpr,
+    BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    HAS_PERM: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
     rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once (PREFETCH
     steps ahead, 0 to 2: the words, scales and zeros of a later step are loaded in this one, so a warp's loads
     stay in flight while it computes; the compiler issues them late in the step, after most of its arithmetic,
-    so one step ahead hides a part of the latency, two a whole step's) and takes their fields one at a time;
-    every sum stays
+    so one step ahead hides a part of the latency, two a whole step's; or STAGES > 1: Triton's pipeliner
+    copies words and scales STAGES - 1 steps ahead into shared memory, cp.async, at the cost of a barrier a
+    step) and takes their fields one at a time; every sum stays
     [BLOCK_KW, BLOCK_N] element-wise in registers until the end, so the loop has no cross-thread reduction.
     sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: scale and zero point cost per word
     row and step (SCALES 1: the step lies in one group; 2: each word row its own group), or once after the
@@ -336,7 +338,7 @@ def _gemv_kernel(
     if PREFETCH > 1:
         words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start + BLOCK_KW, kw_end, N, offs_n,
                                                     mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
-    for kw0 in range(kw_start, kw_end, BLOCK_KW):
+    for kw0 in tl.range(kw_start, kw_end, BLOCK_KW, num_stages=STAGES):
         if PREFETCH == 1:
             cur, s, z = words, s_next, z_next
             words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + BLOCK_KW, kw_end, N, offs_n,
@@ -568,6 +570,7 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
-        SCALES=scales_at, PREFETCH=config.prefetch, HAS_PERM=perm is not None, num_warps=config.num_warps,
+        SCALES=scales_at, PREFETCH=config.prefetch, STAGES=config.num_stages, HAS_PERM=perm is not None,
+        num_warps=config.num_warps,
     )  # fmt: skip
     return out

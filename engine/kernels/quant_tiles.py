@@ -56,14 +56,17 @@ class W8A8Tiles(Tiles):
 class GemvTiles:
     """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
     weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs. `prefetch`: how
-    many steps ahead (0 to 2) a step loads words and scales, so loads stay in flight while a warp computes
-    (with 0 a warp waits a full memory latency every step)."""
+    many steps ahead (0 to 2) a step loads words and scales into registers, so loads stay in flight while a
+    warp computes (with neither this nor stages a warp waits a full memory latency every step); `num_stages`
+    above 1: Triton's pipeliner copies them num_stages - 1 steps ahead into shared memory instead (cp.async,
+    a barrier a step)."""
 
     block_n: int
     block_kw: int
     split: int
     num_warps: int = 4
     prefetch: int = 2
+    num_stages: int = 1
 
 
 @dataclass(frozen=True)
