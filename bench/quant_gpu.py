@@ -364,6 +364,34 @@ def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def compile_gemv(bits: int, tiles, k: int, n: int, group: int, m: int = 1, arch: int = 90):
+    """The decode GEMV as WeightOnlyLinear launches it on bf16 activations (no act order; ints of 1 and pointers
+    and multiples of 16 specialized as Triton specializes a launch at the 8B's shapes), compiled for `arch`
+    without a GPU (bench/quant_sass.loop_stats reads its main loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels.quant_gemm import _gemv_kernel, _split, gemv_scales
+
+    kw = k * bits // 32
+    span, split = _split(kw, tiles.block_kw, tiles.split)
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "perm_ptr": "*bf16",
+                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}  # fmt: skip
+    ints = {"M": m, "N": n, "KW": kw, "sxm": k, "sxk": 1, "span": span, "SPLIT": split}
+    constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
+        "BITS": bits, "GROUP": group, "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": tiles.block_n,
+        "BLOCK_KW": tiles.block_kw, "SCALES": gemv_scales(bits, k, group, span, tiles.block_kw),
+        "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages, "HAS_PERM": False,
+    }  # fmt: skip
+    signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    names = list(signature)
+    divisible = [names.index(x) for x in names if x.endswith("_ptr") or (x in ints and ints[x] % 16 == 0)]
+    src = ASTSource(_gemv_kernel, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.num_warps})
+
+
 def _time_graph(call) -> float:
     """Microseconds a call takes replayed from a CUDA graph (as a decode step runs it: no launch overhead
     beyond the graph's); off CUDA (a dry run) one call's wall time."""

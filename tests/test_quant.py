@@ -583,6 +583,46 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
         assert count < (200 if not fused else 600 if bm == 16 else 2000), line
 
 
+@pytest.mark.slow
+def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
+    """The GEMV at GEMV_TABLE's tiles (the 8B's four shapes, W4 g128 and W8 per channel, one row) compiles for
+    sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread, the main
+    loop spills nothing and extracts no field with a shift and bit-field extract (SGXT: one per field took
+    the loop to 6.4 instructions per weight and thread at 64 outputs, 4 bits); there it stays under 6 (5.2
+    to 5.7 with Triton 3.6 and 3.9, prefetching two steps ahead), where an H100 streaming 4-bit weights
+    leaves ~4.4."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
+    code = (
+        "from bench.quant_gpu import compile_gemv; from bench.quant_sass import loop_stats\n"
+        "from engine.kernels.quant_tiles import GEMV_TABLE\n"
+        "for (bits, k, n), t in GEMV_TABLE.items():\n"
+        "    kernel = compile_gemv(bits, t, k, n, 128 if bits == 4 else k)\n"
+        "    count, ops = loop_stats(kernel)\n"
+        "    per = count / (t.block_n * t.block_kw * 32 / bits / (32 * t.num_warps))\n"
+        "    v2, v4 = (kernel.asm['ptx'].count(f'ld.global.v{w}.b32') for w in (2, 4))\n"
+        "    print(bits, t.block_n, per, ops['SGXT'], ops['STL'], v2, v4)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 8
+    for line in lines:
+        bits, block_n, per, sgxt, stl, v2, v4 = line.split()
+        assert int(sgxt) <= 1 and int(stl) == 0, line  # one per field would be 16 or more
+        # A thread's words: 4 outputs, 2 at 32 outputs (v4 loads also carry per-row scales).
+        assert int(v4 if int(block_n) >= 64 else v2) >= 2, line
+        assert float(per) < (6 if bits == "4" and int(block_n) >= 64 else 9), line
+
+
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
 def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k):
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the

@@ -545,6 +545,15 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     return out
 
 
+def gemv_scales(bits: int, k: int, group_size: int, span: int, block_kw: int) -> int:
+    """Where the GEMV applies scales and zero points (its SCALES): 0 once per program, where a program's span
+    of `span` words lies in one group (per-channel weights); 1 per step, where a step does; 2 per word row."""
+    per_word = 32 // bits
+    if k <= group_size or group_size % (span * per_word) == 0:
+        return 0
+    return 1 if group_size % (block_kw * per_word) == 0 else 2
+
+
 def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
     """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer."""
     m, k = x.shape
@@ -558,19 +567,11 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
     if m == 0:  # nothing to launch (block_m would be 0); only explicit tiles get here with no rows
         return out
     part, counters = _split_buffers(split, block_m, n, slices, counters, x.device)
-    per_word = 32 // bits
-    # Scale and zero point once per program where its span lies in one group (per-channel weights), else per
-    # step where a step does, else per word row.
-    scales_at = 2
-    if k <= group_size or group_size % (span * per_word) == 0:
-        scales_at = 0
-    elif group_size % (config.block_kw * per_word) == 0:
-        scales_at = 1
     _gemv_kernel[(slices, split)](
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
-        SCALES=scales_at, PREFETCH=config.prefetch, STAGES=config.num_stages, HAS_PERM=perm is not None,
-        num_warps=config.num_warps,
+        SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
+        STAGES=config.num_stages, HAS_PERM=perm is not None, num_warps=config.num_warps,
     )  # fmt: skip
     return out

@@ -87,7 +87,9 @@ class RowTiles:
 # W8 210 against 224).
 GEMV_MAX_M = 2
 
-# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m).
+# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m),
+# swept before the GEMV unpacked a field with one AND and prefetched its loads: here at the default prefetch
+# (two steps ahead) until `QUANT_BUDGET=240 bash bench/gpu_check.sh quant-gemv` sweeps them again.
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
     (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
     (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
