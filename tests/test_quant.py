@@ -518,13 +518,9 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
         assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best"], {"MidTiles": MidTiles})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
-def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
-    """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
-    ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
-    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
-    the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
+def _compile_for_sm90(code: str) -> str:
+    """Runs `code` (which compiles kernels for sm_90 with Triton and the ptxas of its wheel, no GPU needed) in a
+    process of its own, whose kernels are not the interpreter's (TRITON_INTERPRET=1), and returns its stdout."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -534,17 +530,27 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
-    # A process of its own: the kernels of this one are the interpreter's (TRITON_INTERPRET=1).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
+def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
+    """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
+    ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
+    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
+    the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
     code = (
         "from bench.quant_sass import per_weight; from engine.kernels.quant_gemm import mid_rule\n"
         f"tiles = mid_rule({m}, 4096, 4096, 128, num_sms=132)\n"
         "cost, kernel, ops = per_weight(tiles=tiles, bits=" + str(bits) + ")\n"
         "print(cost, ops['HMMA'] + ops['HGMMA'], tiles)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    cost, mma, tiles = done.stdout.split(" ", 2)
+    stdout = _compile_for_sm90(code)
+    cost, mma, tiles = stdout.split(" ", 2)
     assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
     assert int(mma) > 0  # the product is on the tensor cores
 
@@ -556,15 +562,6 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
     stays short (71 to 144 instructions with Triton 3.9, its loads 16-byte asynchronous copies; byte loads, as
     when the K-sized arguments are not known to be multiples of 16, take ~700), and the fused one pays for
     quantizing its step (~420 at 16 rows, ~1,200 to 1,500 at 64)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     code = (
         "from bench.quant_gpu import compile_w8a8; from bench.quant_sass import loop_stats\n"
         "from engine.kernels.w8a8 import w8a8_rule\n"
@@ -574,10 +571,8 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
         "            n, ops = loop_stats(compile_w8a8(w8a8_rule(bm, bm, 4096, 4096, 132), int8, fused))\n"
         "            print(bm, int(int8), int(fused), n, sum(c for o, c in ops.items() if 'MMA' in o))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.splitlines():
+    stdout = _compile_for_sm90(code)
+    for line in stdout.splitlines():
         bm, int8, fused, count, mma = map(int, line.split())
         assert mma > 0, line
         assert count < (200 if not fused else 600 if bm == 16 else 2000), line
@@ -591,15 +586,6 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     the loop to 6.4 instructions per weight and thread at 64 outputs, 4 bits); there it stays under 6 (5.2
     to 5.7 with Triton 3.6 and 3.9, prefetching two steps ahead), where an H100 streaming 4-bit weights
     leaves ~4.4."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     code = (
         "from bench.quant_gpu import compile_gemv; from bench.quant_sass import loop_stats\n"
         "from engine.kernels.quant_tiles import GEMV_TABLE\n"
@@ -610,10 +596,8 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
         "    v2, v4 = (kernel.asm['ptx'].count(f'ld.global.v{w}.b32') for w in (2, 4))\n"
         "    print(bits, t.block_n, per, ops['SGXT'], ops['STL'], v2, v4)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    stdout = _compile_for_sm90(code)
+    lines = stdout.splitlines()
     assert len(lines) == 8
     for line in lines:
         bits, block_n, per, sgxt, stl, v2, v4 = line.split()
