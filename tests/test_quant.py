@@ -583,8 +583,8 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     """The GEMV at GEMV_TABLE's tiles (the 8B's four shapes, W4 g128 and W8 per channel, one row) compiles for
     sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread, the main
     loop spills nothing and extracts no field with a shift and bit-field extract (SGXT: one per field took
-    the loop to 6.4 instructions per weight and thread at 64 outputs, 4 bits); there it stays under 6 (5.2
-    to 5.7 with Triton 3.6 and 3.9, prefetching two steps ahead), where an H100 streaming 4-bit weights
+    the loop to 6.4 instructions per weight and thread at 64 outputs, 4 bits); there it stays under 6 (5.3
+    with Triton 3.6 and 3.9 at the table's prefetch of one step), where an H100 streaming 4-bit weights
     leaves ~4.4."""
     code = (
         "from bench.quant_gpu import compile_gemv; from bench.quant_sass import loop_stats\n"
