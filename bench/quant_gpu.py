@@ -382,7 +382,8 @@ def compile_gemv(bits: int, tiles, k: int, n: int, group: int, m: int = 1, arch:
     constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
         "BITS": bits, "GROUP": group, "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": tiles.block_n,
         "BLOCK_KW": tiles.block_kw, "SCALES": gemv_scales(bits, k, group, span, tiles.block_kw),
-        "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages, "HAS_PERM": False,
+        "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages,
+        "EVEN": n % tiles.block_n == 0 and kw % tiles.block_kw == 0, "HAS_PERM": False,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= dict.fromkeys(constexprs, "constexpr")

@@ -582,10 +582,10 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
 def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     """The GEMV at GEMV_TABLE's tiles (the 8B's four shapes, W4 g128 and W8 per channel, one row) compiles for
     sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread, the main
-    loop spills nothing and extracts no field with a shift and bit-field extract (SGXT: one per field took
-    the loop to 6.4 instructions per weight and thread at 64 outputs, 4 bits); there it stays under 6 (5.3
-    with Triton 3.6 and 3.9 at the table's prefetch of one step), where an H100 streaming 4-bit weights
-    leaves ~4.4."""
+    loop spills nothing, extracts no field with a shift and bit-field extract (SGXT) and issues few
+    instructions per weight and thread: with Triton 3.6 / 3.9, 5.0 / 5.3 at 64 outputs and 4 bits (6.4 when
+    each field took a shift, an SGXT and an OR), 6.3 / 6.7 at 32; 6.4 / 6.7 and 7.1 / 7.3 at 8 bits (7.2 and
+    7.9); an H100 streaming 4-bit weights at full bandwidth leaves ~4.4, 8-bit ones ~8.8."""
     code = (
         "from bench.quant_gpu import compile_gemv; from bench.quant_sass import loop_stats\n"
         "from engine.kernels.quant_tiles import GEMV_TABLE\n"
@@ -601,10 +601,11 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     assert len(lines) == 8
     for line in lines:
         bits, block_n, per, sgxt, stl, v2, v4 = line.split()
-        assert int(sgxt) <= 1 and int(stl) == 0, line  # one per field would be 16 or more
+        assert int(sgxt) < 4 and int(stl) == 0, line  # one per field would be 16 or more
         # A thread's words: 4 outputs, 2 at 32 outputs (v4 loads also carry per-row scales).
         assert int(v4 if int(block_n) >= 64 else v2) >= 2, line
-        assert float(per) < (6 if bits == "4" and int(block_n) >= 64 else 9), line
+        bound = {("4", "64"): 5.6, ("4", "32"): 7.0, ("8", "64"): 7.0, ("8", "32"): 7.6}[bits, block_n]
+        assert float(per) < bound, line
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
@@ -612,8 +613,9 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
     partials and leaves the counters zeroed for the next launch; scales applied per step (a step in one group),
     per word row (steps of several groups) and once per program (a program's span in one group: 4-128-192,
-    8--1-256), prefetching 0, 1 and 2 steps ahead or pipelined in 3 stages, which leaves every sum as it was
-    (the default tiles are in test_weight_only_kernel_matches_the_dequantized_reference)."""
+    8--1-256), prefetching 0, 1 and 2 steps ahead or pipelined in 3 stages, and unmasked where N and K are whole
+    slices and steps, each of which leaves every sum as it was (the default tiles are in
+    test_weight_only_kernel_matches_the_dequantized_reference)."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
     from engine.kernels.quant_tiles import GemvTiles
@@ -634,6 +636,10 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
             for ahead, stages in ((0, 1), (1, 1), (0, 3)):
                 other = dataclasses.replace(config, prefetch=ahead, num_stages=stages)
                 assert torch.equal(weight_only_matmul(x.to(DEV), *args, config=other, counters=counters), out)
+            if config.block_n == 16:  # whole slices and steps: the unmasked kernel (a prefetch past a span
+                # re-reads its last step), the same sums
+                whole = (*(t[:, :16].contiguous() for t in args[:3]), *args[3:])
+                assert torch.equal(weight_only_matmul(x.to(DEV), *whole, config=config, counters=counters), out[:, :16])
 
 
 @pytest.mark.parametrize("bits, m", [(4, 2), (8, 1), (8, 9)])  # the GEMV (4 and 8 bits), the decode tl.dot kernel

@@ -243,14 +243,17 @@ def _mid_kernel(
 @triton.jit
 def _gemv_step_loads(
     qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, offs_n, mask_n,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, SCALES: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """A step's packed words [BLOCK_KW, BLOCK_N] and, unless SCALES is 0 (applied once after the loop), its scales
     and zeros in their stored dtype: one row of them (SCALES 1: the step lies in one group) or each word row's
-    own (2). A step at or past kw_end loads nothing (the prefetch past a program's last step)."""
+    own (2). A step at or past kw_end (the prefetch past a program's last step) loads nothing, or, EVEN (no
+    masks: N whole slices, K whole steps), the program's last step again (unused)."""
     PER_WORD: tl.constexpr = 32 // BITS
+    if EVEN:
+        kw0 = tl.minimum(kw0, kw_end - BLOCK_KW)
     offs_kw = kw0 + tl.arange(0, BLOCK_KW)
-    mask_kw = offs_kw < kw_end
+    mask_kw = _gemv_mask(offs_kw, kw_end, EVEN)
     words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
                     mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
     if SCALES == 1:
@@ -266,6 +269,14 @@ def _gemv_step_loads(
         s = tl.zeros((1, 1), dtype=s_ptr.dtype.element_ty)
         z = tl.zeros((1, 1), dtype=z_ptr.dtype.element_ty)
     return words, s, z
+
+
+@triton.jit
+def _gemv_mask(offs, end, EVEN: tl.constexpr):
+    """offs < end, or all true (a constant: the loads it guards compile unpredicated) when EVEN."""
+    if EVEN:
+        return tl.full(offs.shape, 1, tl.int1)
+    return offs < end
 
 
 @triton.jit
@@ -299,7 +310,7 @@ def _gemv_kernel(
     M, N, KW, sxm, sxk, span, SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    HAS_PERM: tl.constexpr,
+    EVEN: tl.constexpr, HAS_PERM: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
@@ -319,7 +330,7 @@ def _gemv_kernel(
     PER_WORD: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER_WORD // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    mask_n = _gemv_mask(offs_n, N, EVEN)
     row0, row1, row2, row3 = 0, tl.minimum(1, M - 1) * sxm, tl.minimum(2, M - 1) * sxm, tl.minimum(3, M - 1) * sxm
     acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
@@ -334,25 +345,26 @@ def _gemv_kernel(
     kw_end = tl.minimum(kw_start + span, KW)
     if PREFETCH > 0:
         words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start, kw_end, N, offs_n, mask_n,
-                                                 BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+                                                 BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
     if PREFETCH > 1:
         words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start + BLOCK_KW, kw_end, N, offs_n,
-                                                    mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+                                                    mask_n, BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
     for kw0 in tl.range(kw_start, kw_end, BLOCK_KW, num_stages=STAGES):
         if PREFETCH == 1:
             cur, s, z = words, s_next, z_next
             words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + BLOCK_KW, kw_end, N, offs_n,
-                                                     mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+                                                     mask_n, BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
         elif PREFETCH == 2:
             cur, s, z = words, s_next, z_next
             words, s_next, z_next = words2, s_next2, z_next2
             words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + 2 * BLOCK_KW, kw_end, N,
-                                                        offs_n, mask_n, BITS, GROUP, BLOCK_KW, SCALES)  # fmt: skip
+                                                        offs_n, mask_n, BITS, GROUP, BLOCK_KW, SCALES,
+                                                        EVEN)  # fmt: skip
         else:
             cur, s, z = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, offs_n, mask_n, BITS, GROUP,
-                                         BLOCK_KW, SCALES)  # fmt: skip
+                                         BLOCK_KW, SCALES, EVEN)  # fmt: skip
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
-        mask_kw = offs_kw < kw_end
+        mask_kw = _gemv_mask(offs_kw, kw_end, EVEN)
         # The fields as floats without an int-to-float conversion (a quarter-rate instruction): each half word
         # ORed into the mantissa of 2**23 once; a field masked in place from it (one AND of a constant that
         # keeps 2**23's bits), less 2**23, is the field times 2**(BITS * i) exactly, i its place in the half
@@ -572,6 +584,7 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
         SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
-        STAGES=config.num_stages, HAS_PERM=perm is not None, num_warps=config.num_warps,
+        STAGES=config.num_stages, EVEN=n % config.block_n == 0 and kw % config.block_kw == 0,
+        HAS_PERM=perm is not None, num_warps=config.num_warps,
     )  # fmt: skip
     return out
