@@ -7,6 +7,7 @@ batches, each checked against its reference first. One decoder layer's four matm
         [--w8a8-kinds fp8 int8]   (CUDA; results: bench-results naming)
     TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep mid --dry-run   (CPU: tiny shapes, no timing worth reading)
     TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep w8a8 --dry-run
+    TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep gemv --dry-run
 
 --sweep times candidate tiles, each checked against its reference first, and prints the fastest as entries
 for engine/kernels/quant_tiles.py: `gemv` the W4A16 g128 / W8A16 decode GEMV per layer shape at batch 1 (and
@@ -110,38 +111,43 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
     return [replace(t, prefetch=p, num_stages=s) for t in sorted(grid, key=unlikeliness) for p, s in ways]
 
 
-def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
+def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> None:
     """W4A16 g128 and W8A16 per-channel decode: per Llama-3-8B layer shape, the GEMV's default tiles and each
     candidate at batch 1 (each checked against the dequantized reference first) beside bf16 F.linear and the
     tl.dot kernel; then, with the best batch-1 tiles fitted to the rows, the GEMV against tl.dot at 2 and 4
     rows (whether GEMV_MAX_M should be lower). Candidates past the shape's share of `budget_s` (the budget
-    over the (bits, shape) left) are skipped. Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
-    from engine.kernels.quant_gemm import gemv_rows, gemv_tiles, mid_tiles, weight_only_matmul
+    over the (bits, shape) left) are skipped. Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py.
+    A dry run (CPU, TRITON_INTERPRET=1) takes tiny shapes and the first candidates: it checks the sweep runs."""
+    from engine.kernels.quant_gemm import _num_sms, gemv_rows, gemv_tiles, mid_tiles, weight_only_matmul
     from engine.quant import pack_int32
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
+    sms = _num_sms(torch.device(device))
     entries = []
-    deadline, left = time.monotonic() + budget_s, 2 * len(SHAPES)
+    deadline, left = time.monotonic() + budget_s, 2 * len(shapes)
     for bits, group in ((4, 128), (8, -1)):
         totals = {"bf16": 0.0, "dot": 0.0, "default": 0.0, "best": 0.0}
-        for k, n in SHAPES:
+        for k, n in shapes:
             stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
             left -= 1
-            w = torch.randn(n, k, device="cuda") * 0.02
+            w = torch.randn(n, k, device=device) * 0.02
             iw = quantize_rtn(w, bits, group)
-            args = (pack_int32(iw.q, bits, 0), iw.scales.bfloat16(), iw.zeros.bfloat16(), bits, iw.group_size)
+            args = (pack_int32(iw.q, bits, 0), iw.scales.to(dtype), iw.zeros.to(dtype), bits, iw.group_size)
             nbytes = sum(t.numel() * t.element_size() for t in args[:3])
-            counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
-            wd = iw.dequantize().t().to(torch.bfloat16)
-            wb = w.bfloat16()
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+            wd = iw.dequantize().t().to(dtype)
+            wb = w.to(dtype)
+            x = torch.randn(1, k, device=device, dtype=dtype)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
             # The table's tiles unpipelined, prefetching 1 and 2 steps ahead, and through 3 stages: what each gains.
             ways = {"p0": (0, 1), "p1": (1, 1), "p2": (2, 1), "s3": (0, 3)}
-            ahead = {w: replace(default, prefetch=p, num_stages=s) for w, (p, s) in ways.items()}
+            ahead = {name: replace(default, prefetch=p, num_stages=s) for name, (p, s) in ways.items()}
+            candidates = gemv_candidates(bits, n, k, sms)
             timed = {}
-            for config in dict.fromkeys([default, *ahead.values(), *gemv_candidates(bits, n, k, sms)]):
+            for config in dict.fromkeys([default, *ahead.values(), *(candidates[:2] if dry_run else candidates)]):
                 if config != default and config not in ahead.values() and time.monotonic() > stop:
                     break
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
@@ -157,7 +163,8 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
             row = {
                 "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
                 "default": str(default), "default_us": round(timed[default], 2),
-                "ways_us": {w: round(timed[c], 2) for w, c in ahead.items()}, "tried": len(timed), "best": str(best),
+                "ways_us": {name: round(timed[c], 2) for name, c in ahead.items()}, "tried": len(timed),
+                "best": str(best),
                 "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
             }  # fmt: skip
@@ -170,7 +177,7 @@ def sweep_gemv(out: Path, budget_s: float = 360.0) -> None:
                             f"bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):
-                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                xm = torch.randn(m, k, device=device, dtype=dtype)
                 ref = F.linear(xm, wd).float()
                 rows = gemv_rows(best, m)
                 got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
@@ -591,6 +598,8 @@ def main() -> None:
         for name in args.sweep or ["mid"]:
             if name == "w8a8":
                 sweep_w8a8(out, args.budget, tuple(args.w8a8_kinds), dry_run=True)
+            elif name == "gemv":
+                sweep_gemv(out, args.budget, dry_run=True)
             else:
                 sweep_mid(out, args.budget, dry_run=True)
         return
