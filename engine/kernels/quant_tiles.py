@@ -89,10 +89,11 @@ GEMV_MAX_M = 2
 
 # (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m),
 # swept before the GEMV unpacked a field with one AND and prefetched its loads: here prefetching two steps
-# ahead, except W4 at 64 outputs (95 registers on sm_90 at two steps, two programs of 8 warps an SM, a 1.7-wave
-# grid at N 28672; 64 at one step, four) until `QUANT_BUDGET=240 bash bench/gpu_check.sh quant-gemv` sweeps them.
+# ahead where the registers that takes (sm_90, Triton 3.6) still fit the grid in one wave of programs, else one
+# (W4 at 64 outputs: 95 registers, two programs of 8 warps an SM, 1.7 waves at N 28672; W4 at N 6144: 48,
+# five, 1.16 waves), until `QUANT_BUDGET=240 bash bench/gpu_check.sh quant-gemv` sweeps them again.
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
-    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
+    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8, prefetch=1),
     (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
     (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8, prefetch=1),
     (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=1),
