@@ -62,12 +62,15 @@ for step in "$@"; do
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
              --w8a8-kinds ${QUANT_W8A8_KINDS:-fp8 int8} --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
-    # The batch-1 decode GEMV (issue 22) in one call: its tile sweep alone (W4 g128 and W8 per channel at the 8B's
-    # four shapes, each candidate prefetching the next step, beside the table's tiles without prefetch, bf16
-    # and tl.dot; cut at QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B
-    # decode at batch 1, 16 and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
-    quant-gemv) timeout 300 python3 -m bench.quant_gpu --no-layers --sweep gemv --budget ${QUANT_BUDGET:-240} \
-             --out $OUT/quant-gpu.jsonl 2>&1 | tail -30
+    # The batch-1 decode GEMV (issue 22) in one call of ~9 minutes: its tests on CUDA (split tiles, each prefetch /
+    # stages way, unmasked, float32, the 8B's deepest layer at tiles of the sweep's grid), its tile sweep alone (W4 g128 and W8 per channel at the 8B's four shapes: the table's
+    # tiles unpipelined, prefetching 1 / 2 steps and in 3 stages, then candidates, beside bf16 and tl.dot; cut at
+    # QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B decode at batch 1, 16
+    # and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
+    quant-gemv) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "gemv or exact_in_float32" 2>&1 \
+             | tee $OUT/pytest-cuda-gemv.log | tail -2
+           timeout $((${QUANT_BUDGET:-240} + 90)) python3 -m bench.quant_gpu --no-layers --sweep gemv \
+             --budget ${QUANT_BUDGET:-240} --out $OUT/quant-gpu.jsonl 2>&1 | tail -30
            for kind in bf16 w8a16 w4a16-g128; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;
