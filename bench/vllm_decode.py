@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -56,6 +57,8 @@ SHORT, LONG = 16, 80
 REPEATS = 5
 # kind -> pagoda's (--quantization, recipe) as in gpu_check.py's QUANT_KINDS; vLLM takes the same directory.
 KINDS = {"bf16": QUANT_KINDS["bf16"], "w4a16-g128": QUANT_KINDS["w4a16-g128"]}
+# The lines of a run's output kept beside its rows: how the engine loaded and quantized the checkpoint.
+LOADING_LINE = re.compile(r"LinearKernel|quantiz|gptq|marlin|machete|weights took|model loading took|memory", re.I)
 # vLLM only: its Marlin kernel, the others that rank above it on an H100 turned off.
 MARLIN_ONLY = "CutlassW4A8LinearKernel,MacheteLinearKernel,AllSparkLinearKernel"
 RUNS = [("pagoda", "bf16"), ("pagoda", "w4a16-g128"), ("vllm", "bf16"), ("vllm", "w4a16-g128")]
@@ -120,10 +123,24 @@ def run_vllm(model: str, kind: str, args: argparse.Namespace) -> None:
     for batch in BATCHES:
         prompts = [{"prompt_token_ids": p} for p in _fixed_prompts(batch, PROMPT_LEN, seed=batch)]
         steps = difference_step_times(generate, prompts, args.short, args.long, args.repeats)
-        extra = {"vllm_version": vllm.__version__}
+        extra = {"vllm_version": vllm.__version__, "vllm_quantization": _vllm_quantization(llm)}
         if kind.endswith("-marlin"):
             extra["vllm_disabled_kernels"] = os.environ.get("VLLM_DISABLED_KERNELS")
         emit_row(args, "vllm", kind, batch, steps, extra)
+
+
+def _vllm_quantization(llm) -> str | None:
+    """The quantization method vLLM's model config settled on (e.g. "gptq_marlin"; None for bf16), or why not
+    known: the attribute path differs between vLLM releases."""
+    for path in (("llm_engine", "model_config"), ("llm_engine", "vllm_config", "model_config")):
+        obj = llm
+        try:
+            for name in path:
+                obj = getattr(obj, name)
+            return obj.quantization
+        except AttributeError:
+            continue
+    return "unknown (no model_config found)"
 
 
 def emit_row(args: argparse.Namespace, engine: str, kind: str, batch: int, steps: list[float], extra: dict) -> None:
@@ -250,6 +267,11 @@ def _run_each(args: argparse.Namespace, models: dict[str, str]) -> int:
         for line in output.splitlines():
             if line.startswith("RESULT") or "LinearKernel" in line or "Error" in line:
                 print(line[:600], flush=True)
+        # What the engine says it did with the checkpoint (the quantization method and kernel it took, the memory
+        # its weights hold): a W4A16 step no faster than bf16 is only a result if the weights really were 4-bit.
+        said = [line[:400] for line in output.splitlines() if LOADING_LINE.search(line)]
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"mode": "vllm-decode-log", "engine": engine, "kind": kind, "lines": said[:40]}) + "\n")
         if error:
             ok = False
             # Not through emit, which asks torch for the device's name: CUDA in this process would hold memory

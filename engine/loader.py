@@ -98,6 +98,23 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+class _NoRandomInit(torch.overrides.TorchFunctionMode):
+    """Parameters built inside it keep whatever memory they were given: the random fills of torch.nn.init
+    (nn.Linear's kaiming_uniform_, nn.Embedding's normal_) are skipped. load_model overwrites every parameter
+    afterwards, from the checkpoint (a tensor it lacks is an error) or by _init_dummy, so the fills were
+    wasted: on the CPU they were a fifth of the default model's start-up. A TorchFunctionMode is scoped to
+    this thread and this block; buffers (the rotary tables) are computed, not filled, and stay as built."""
+
+    _FILLS = {torch.Tensor.uniform_, torch.Tensor.normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # The initializers come here whole (torch.nn.init's functions dispatch to the mode themselves, and
+        # what they call inside this handler does not come back to it), or as the bare in-place fills.
+        if func in self._FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -121,7 +138,7 @@ def load_model(
         log.info("quantization: %s", scheme.describe())
     try:
         cls = model_class(hf_config)
-        with _default_dtype(dtype), torch.device(device):
+        with _default_dtype(dtype), torch.device(device), _NoRandomInit():
             model = cls(hf_config, backend)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None

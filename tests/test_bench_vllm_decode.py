@@ -49,8 +49,13 @@ def test_all_records_a_failed_engine_process(tmp_path, monkeypatch):
     out = tmp_path / "rows.jsonl"
     argv = ["all", "--engines", "vllm", "--out", str(out), "--repeats", "1", "--timeout", "120"]
     assert vllm_decode.main(argv) == 1
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    every = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for r in every if r["mode"] == "vllm-decode"]
     assert [r["kind"] for r in rows] == ["bf16", "w4a16-g128", "w4a16-g128-marlin"]
+    # beside each run, what its output said about loading (nothing here: it failed at the import)
+    logs = [r for r in every if r["mode"] == "vllm-decode-log"]
+    assert [(r["engine"], r["kind"]) for r in logs] == [("vllm", r["kind"]) for r in rows]
+    assert all(isinstance(r["lines"], list) for r in logs)
     for r in rows:
         assert r["engine"] == "vllm" and r["error"] == "exit 1" and r["commit"]
         assert "No module named 'vllm'" in r["tail"]

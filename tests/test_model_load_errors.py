@@ -223,3 +223,33 @@ def test_serve_prints_one_line_and_exits_1(model_copy, case):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"pagoda serve: {culprit}"), done.stderr[-3000:]
     assert problem in last
+
+
+def test_building_the_model_runs_no_random_initializer(tiny_model_dir):
+    """load_model overwrites every parameter (from the checkpoint, or _init_dummy), so building the modules
+    runs none of torch.nn.init's random fills (nn.Linear's kaiming_uniform_, nn.Embedding's normal_); what
+    the model holds is the checkpoint's, and it still computes what transformers computes (test_correctness)."""
+    from torch.overrides import TorchFunctionMode
+
+    from engine.loader import load_model
+
+    called: list[str] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            called.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    path = tiny_model_dir("llama")
+    with Record():
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    assert "Linear" in {type(m).__name__ for m in model.modules()}  # the modules that would have filled
+    fills = {"uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "trunc_normal_"}
+    assert not fills & set(called)
+    checkpoint = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        checkpoint |= load_file(file)
+    assert torch.equal(model.embed_tokens.weight, checkpoint["model.embed_tokens.weight"])
+    assert torch.equal(model.norm.weight, checkpoint["model.norm.weight"])
+    down = model.layers[1].mlp.down_proj.weight
+    assert torch.equal(down, checkpoint["model.layers.1.mlp.down_proj.weight"])
