@@ -314,6 +314,34 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     )
 
 
+def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
+    """Unfused tiles for a decode batch of bm rows (one program covers them all) that keep more weight in
+    flight per SM than the H200 table's 64-row qkv / o_proj tiles. Those (BLOCK_N 32; sm_90 SASS of Triton 3.6:
+    wgmma with both operands in shared memory, cp.async 16-byte loads, the wgmma waited on every step for the
+    float32 promotion) spend two thirds of each stage on the 64 x 128 activation tile, leaving 8 KiB of weight
+    a program in flight at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes.
+    So: BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a
+    quarter to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8
+    stages (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory."""
+    found = []
+    for bn in (128, 256):
+        for split in (2, 4, 8):
+            programs = -(-n // bn) * split
+            if k // (128 * split) < 2 or not num_sms // 2 <= programs <= 4 * num_sms:
+                continue
+            for nw, ns in ((4, 4), (8, 4), (8, 3)):
+                # 64 accumulators a thread at most: the fp8 promotion keeps a second set (BLOCK_N 256 on 4
+                # warps compiles to 255 registers and spills in the main loop).
+                if bm * bn // (32 * nw) <= 64 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    found.append(W8A8Tiles(bm, bn, 128, split, nw, ns))
+    for bn in (32, 64):
+        for split in (1, 2):
+            for ns in (6, 8):
+                if k // (128 * split) >= 2 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    found.append(W8A8Tiles(bm, bn, 128, split, 4, ns))
+    return found
+
+
 def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
     """The 8-bit GEMM as ScaledLinear launches it on bf16 activations (K a multiple of BLOCK_K, pointers and
     K-sized integers divisible by 16, as Triton specializes a launch at the 8B's shapes), compiled for `arch`
@@ -403,7 +431,8 @@ def sweep_w8a8(
     out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
 ) -> list[str]:
     """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
-    first: the rule's tiles (unfused and fused), main's unsplit tiles, then candidates (w8a8_candidates) until
+    first: the rule's tiles (unfused and fused), the shipped table's, main's unsplit tiles (16 rows), the wide
+    and deep tiles (w8a8_wide_candidates; 64 rows), then candidates (w8a8_candidates) until
     the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
     (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
     left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
@@ -412,7 +441,7 @@ def sweep_w8a8(
     layer's totals (the four matmuls), the rows at which the Triton GEMM wins (FP8_TRITON_MAX_M /
     INT8_TRITON_MAX_M), and W8A8_TABLE entries, which it prints and returns."""
     from engine.kernels.quant_gemm import _num_sms
-    from engine.kernels.w8a8 import w8a8_rule
+    from engine.kernels.w8a8 import w8a8_rule, w8a8_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
@@ -435,8 +464,12 @@ def sweep_w8a8(
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
         rule = w8a8_rule(bm, bm, n, k, sms)
-        candidates = [rule, replace(rule, fused=True), *([MAIN_W8A8_TILES] if bm == 16 else [])]
-        candidates += [c for c in w8a8_candidates(bm, n, k, sms) if c not in candidates]
+        # The shipped table's tiles third (timed as "table"); at 64 rows the wide / deep candidates before the grid.
+        table = w8a8_tiles(kind, bm, n, k, sms)
+        candidates = [rule, replace(rule, fused=True), table, *([MAIN_W8A8_TILES] if bm == 16 else [])]
+        candidates += w8a8_wide_candidates(bm, n, k, sms) if bm == 64 else []
+        candidates += w8a8_candidates(bm, n, k, sms)
+        candidates = list(dict.fromkeys(candidates))
         timed, failed = {}, []
         for config in candidates[:3] if dry_run else candidates:
             if len(timed) >= 3 and time.monotonic() > stop:
@@ -464,6 +497,7 @@ def sweep_w8a8(
             us = {
                 "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
                 "rule": timed.get(rule, {}).get(m, float("nan")),
+                "table": timed.get(table, {}).get(m, float("nan")),
                 "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
                 "unfused": timed[by_kind[False]][m] if by_kind[False] else float("nan"),
                 "fused": timed[by_kind[True]][m] if by_kind[True] else float("nan"),
@@ -484,7 +518,8 @@ def sweep_w8a8(
             torch_name = "_scaled_mm" if kind == "fp8" else "_int_mm"
             _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:30} {us['best']:7.1f} us "
                             f"{nbytes / us['best'] / 1e3:6.0f} GB/s ({len(timed)} tried) | unfused "
-                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | main's "
+                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | table "
+                            f"{us['table']:7.1f} | main's "
                             f"{us['main']:7.1f} | "
                             f"quantize_rows+{torch_name} {us['torch']:7.1f}")  # fmt: skip
         entries.append(f"    ({kind!r}, {k}, {n}, {bm}): {best!r},")
@@ -493,8 +528,8 @@ def sweep_w8a8(
             f"{key}_us": round(v, 2) for key, v in tot.items()
         }
         _emit(out, summary, f"{kind} layer at m={m:2}: quantize_rows+torch {tot['torch']:.1f} us, rule "
-                            f"{tot['rule']:.1f}, main's tiles {tot['main']:.1f}, best unfused {tot['unfused']:.1f}, "
-                            f"best fused {tot['fused']:.1f}, "
+                            f"{tot['rule']:.1f}, table {tot['table']:.1f}, main's tiles {tot['main']:.1f}, "
+                            f"best unfused {tot['unfused']:.1f}, best fused {tot['fused']:.1f}, "
                             f"best {tot['best']:.1f} (torch / best = {tot['torch'] / tot['best']:.2f}x; shapes "
                             f"that failed count 0)")  # fmt: skip
     for kind in kinds:

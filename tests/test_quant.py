@@ -857,6 +857,32 @@ def test_split_k_scaled_matmul_matches_the_reference(qdtype, m):
             assert not counters.any()
 
 
+@pytest.mark.parametrize("m", [33, 64])
+def test_wide_64_row_candidates_match_the_reference(m):
+    """The 64-row tiles the fp8 sweep tries first (bench.quant_gpu.w8a8_wide_candidates: BLOCK_N 128 / 256 with
+    K split 2 and 4 ways, BLOCK_N 32 / 64 unsplit and split in two) at K 1024, N 256 (4 SMs, so the splits the
+    8B's shapes take on 132 arise here), fp8 within float32 rounding of the per-row product, counters zeroed."""
+    pytest.importorskip("triton")
+    from bench.quant_gpu import w8a8_wide_candidates
+    from engine.kernels.w8a8 import scaled_matmul
+
+    g = torch.Generator().manual_seed(m)
+    k, n = 1024, 256
+    wq, ws = _w8a8_weight(n, k, FP8, g)
+    layer = ScaledLinear(wq.cpu(), ws.flatten().cpu(), None, torch.float32)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = layer._quantize_input(x)
+    ref = layer._reference(x)
+    counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
+    # Warps and stages do not change what the interpreter computes: one run per BLOCK_N and split.
+    configs = {(c.block_n, c.split): c for c in w8a8_wide_candidates(64, n, k, num_sms=4)}
+    assert set(configs) == {(128, 2), (128, 4), (256, 2), (256, 4), (32, 1), (32, 2), (64, 1), (64, 2)}
+    for config in configs.values():
+        out = scaled_matmul(xq.to(DEV), xs.contiguous().to(DEV), wq, ws, torch.float32, config, counters).cpu()
+        _assert_fp8_product_close(out, ref)
+        assert not counters.any(), config
+
+
 def _assert_fp8_product_close(out: torch.Tensor, ref: torch.Tensor, atol: float = 1e-5) -> None:
     """An fp8 GEMM against its float32 reference: float32 rounding under the interpreter; on CUDA the MMA adds
     each instruction's products at reduced precision (the kernel promotes to float32 every 128 inputs), so
@@ -1023,9 +1049,9 @@ def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8])
 def test_w8a8_gemm_full_shapes_split_and_fused_on_cuda(qdtype):
     """The 8B's four decode matmuls at 1 / 16 / 33 / 64 rows: the rule's tiles and candidates of the sweep's
-    grid, unfused against the per-row product (int8: int64 sums, bit for bit) and fused against
-    block_scaled_matmul, one counter array shared by all launches as a layer shares it."""
-    from bench.quant_gpu import SHAPES, w8a8_candidates
+    grid (and of its wide / deep 64-row tiles), unfused against the per-row product (int8: int64 sums, bit for
+    bit) and fused against block_scaled_matmul, one counter array shared by all launches as a layer shares it."""
+    from bench.quant_gpu import SHAPES, w8a8_candidates, w8a8_wide_candidates
     from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul, w8a8_tiles
     from engine.layers.linear import block_scaled_matmul
 
@@ -1043,7 +1069,8 @@ def test_w8a8_gemm_full_shapes_split_and_fused_on_cuda(qdtype):
                 ref = (xq.float() @ wq.float().t()) * xs * ws
             bm = max(16, 1 << (m - 1).bit_length())
             kind = "int8" if qdtype == torch.int8 else "fp8"
-            for config in [w8a8_tiles(kind, m, n, k, sms), *w8a8_candidates(bm, n, k, sms)[::17]]:
+            wide = w8a8_wide_candidates(bm, n, k, sms)[::3] if bm == 64 else []
+            for config in [w8a8_tiles(kind, m, n, k, sms), *w8a8_candidates(bm, n, k, sms)[::17], *wide]:
                 if config.fused:
                     fref = block_scaled_matmul(x.float(), wq, ws, config.block_k, torch.float32)
                     got = fused_scaled_matmul(x, wq, ws, torch.bfloat16, config, counters).float()
