@@ -543,6 +543,30 @@ def sweep_w8a8(
     return entries
 
 
+def profile_w8a8(m: int, kind: str = "fp8") -> None:
+    """The 8-bit GEMM alone (rows quantized beforehand) at m rows for the four 8B shapes with the tiles
+    w8a8_tiles picks, twice in that order: under Nsight Compute (gpu_check.sh `fp8-ncu`) the second pass,
+    `--launch-skip 4 --launch-count 4`, is the compiled kernels' steady state."""
+    from engine.kernels.quant_gemm import _num_sms
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
+
+    qdtype = FP8 if kind == "fp8" else torch.int8
+    runs = []
+    for k, n in SHAPES:
+        wq, ws = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02, qdtype)
+        xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
+        tiles = w8a8_tiles(kind, m, n, k, _num_sms(wq.device))
+        counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
+        runs.append((k, n, tiles, partial(scaled_matmul, xq, xs, wq, ws.reshape(1, -1).contiguous(), torch.bfloat16,
+                                          tiles, counters)))  # fmt: skip
+    for _ in range(2):
+        for _, _, _, run in runs:
+            run()
+    torch.cuda.synchronize()
+    for k, n, tiles, run in runs:
+        print(f"{kind} K={k:5} N={n:5} m={m}: {tiles!r} {_time_graph(run):7.1f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -565,6 +589,12 @@ def main() -> None:
         "TRITON_INTERPRET=1 (checks the sweep runs; its times mean nothing)",
     )
     parser.add_argument("--no-layers", action="store_true", help="skip the per-layer table (sweep only)")
+    parser.add_argument(
+        "--w8a8-profile",
+        type=int,
+        metavar="ROWS",
+        help="only the fp8 GEMM at ROWS rows, the four shapes twice with the shipped tiles (for ncu), then timed",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.dry_run:
@@ -575,6 +605,9 @@ def main() -> None:
                 sweep_w8a8(out, args.budget, tuple(args.w8a8_kinds), dry_run=True)
             else:
                 sweep_mid(out, args.budget, dry_run=True)
+        return
+    if args.w8a8_profile:
+        profile_w8a8(args.w8a8_profile)
         return
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for k, n in SHAPES]
