@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import time
 from dataclasses import replace
@@ -378,6 +379,25 @@ def _time_graph(call) -> float:
     return do_bench_cudagraph(call, rep=20) * 1000
 
 
+# Bytes of weight copies a CUDA-graph timing cycles through: five times an H100's / H200's 50 MB L2. Replayed
+# back to back on one weight, the 8B's qkv (25 MB) and o_proj (17 MB) fp8 weights stay in L2 and a tile is
+# timed at L2 latency; in a decode step every layer's weight comes from HBM (the step reads gigabytes).
+COLD_BYTES = 256 << 20
+
+
+def _weight_copies(wq: torch.Tensor) -> list[torch.Tensor]:
+    """wq and copies of it, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
+    count = 1 if wq.device.type == "cpu" else max(1, -(-COLD_BYTES // (wq.numel() * wq.element_size())))
+    return [wq, *(wq.clone() for _ in range(count - 1))]
+
+
+def _cycling(call, weights: list[torch.Tensor]):
+    """call(wq=w) for the next weight of the list each time: a CUDA graph captured from it replays the launches
+    on the copies in turn, so each reads its weight from HBM as a decode step does."""
+    turn = itertools.count()
+    return lambda: call(wq=weights[next(turn) % len(weights)])
+
+
 def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """E4M3 values with +-448 every 16 inputs: every block of 16 or more has amax 448 (scale 1, nothing to round),
     so the Triton interpreter's fp8 rounding (half-up, no carry into the exponent) cannot differ (dry runs)."""
@@ -463,6 +483,7 @@ def sweep_w8a8(
         xs = {m: x.to(dtype) for m, x in xs.items()}
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
+        copies = _weight_copies(wq)
         rule = w8a8_rule(bm, bm, n, k, sms)
         # The shipped table's tiles third (timed as "table"); at 64 rows the wide / deep candidates before the grid.
         table = w8a8_tiles(kind, bm, n, k, sms)
@@ -484,7 +505,7 @@ def sweep_w8a8(
                 failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
                 print(f"{kind} K={k:5} N={n:5} bm={bm}  failed to compile or run: {config!r}: {failed[-1][1]}")
                 continue
-            timed[config] = {m: _time_graph(partial(run, config, xs[m])) for m in rows}
+            timed[config] = {m: _time_graph(_cycling(partial(run, config, xs[m]), copies)) for m in rows}
         if not timed:
             _emit(out, {"sweep": f"w8a8-{kind}", "k": k, "n": n, "block_m": bm, "failed": failed},
                   f"{kind} K={k:5} N={n:5} bm={bm}  every candidate tried failed")  # fmt: skip
@@ -495,7 +516,7 @@ def sweep_w8a8(
         by_kind = {f: min((c for c in timed if c.fused == f), key=total, default=None) for f in (False, True)}
         for m in rows:
             us = {
-                "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
+                "torch": _time_graph(_cycling(partial(_w8a8_torch, xs[m], ws=ws, dtype=dtype), copies)),
                 "rule": timed.get(rule, {}).get(m, float("nan")),
                 "table": timed.get(table, {}).get(m, float("nan")),
                 "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
@@ -546,7 +567,8 @@ def sweep_w8a8(
 def profile_w8a8(m: int, kind: str = "fp8") -> None:
     """The 8-bit GEMM alone (rows quantized beforehand) at m rows for the four 8B shapes with the tiles
     w8a8_tiles picks, twice in that order: under Nsight Compute (gpu_check.sh `fp8-ncu`) the second pass,
-    `--launch-skip 4 --launch-count 4`, is the compiled kernels' steady state."""
+    `--launch-skip 4 --launch-count 4`, is the compiled kernels' steady state. Then each timed from a CUDA graph
+    on weight copies that do not fit in L2 (_cycling)."""
     from engine.kernels.quant_gemm import _num_sms
     from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
 
@@ -557,14 +579,16 @@ def profile_w8a8(m: int, kind: str = "fp8") -> None:
         xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
         tiles = w8a8_tiles(kind, m, n, k, _num_sms(wq.device))
         counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
-        runs.append((k, n, tiles, partial(scaled_matmul, xq, xs, wq, ws.reshape(1, -1).contiguous(), torch.bfloat16,
-                                          tiles, counters)))  # fmt: skip
+        ws = ws.reshape(1, -1).contiguous()
+        call = partial(scaled_matmul, xq, xs, b_scale=ws, out_dtype=torch.bfloat16, config=tiles, counters=counters)
+        runs.append((k, n, tiles, partial(call, b=wq), _cycling(lambda wq, call=call: call(b=wq), _weight_copies(wq))))
     for _ in range(2):
-        for _, _, _, run in runs:
+        for _, _, _, run, _ in runs:
             run()
     torch.cuda.synchronize()
-    for k, n, tiles, run in runs:
-        print(f"{kind} K={k:5} N={n:5} m={m}: {tiles!r} {_time_graph(run):7.1f} us", flush=True)
+    for k, n, tiles, _, cold in runs:
+        us = _time_graph(cold)
+        print(f"{kind} K={k:5} N={n:5} m={m}: {tiles!r} {us:7.1f} us {n * k / us / 1e3:6.0f} GB/s", flush=True)
 
 
 def main() -> None:

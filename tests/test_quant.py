@@ -995,6 +995,23 @@ def test_scaled_linear_takes_the_fused_gemm_its_tiles_name(monkeypatch):
     assert torch.equal(static._triton(x.to(DEV), "int8").cpu(), static.cpu()._reference(x))
 
 
+def test_w8a8_sweep_times_each_launch_on_a_weight_copy_out_of_l2():
+    """The sweep's CUDA-graph timing cycles through weight copies of at least COLD_BYTES (five 50 MB L2s), so the
+    8B's qkv fp8 weight (25 MB) is read from memory as in a decode step (meta tensors: no memory used)."""
+    from bench.quant_gpu import COLD_BYTES, _cycling, _weight_copies
+
+    wq = torch.empty(6144, 4096, dtype=FP8, device="meta")
+    copies = _weight_copies(wq)
+    assert copies[0] is wq and len(copies) == 11 and len(copies) * wq.numel() >= COLD_BYTES
+    seen = []
+    call = _cycling(lambda wq: seen.append(wq), copies)
+    for _ in range(2 * len(copies)):
+        call()
+    assert [id(w) for w in seen] == [id(w) for w in copies] * 2
+    assert len(_weight_copies(torch.empty(28672, 4096, dtype=FP8, device="meta"))) == 3
+    assert len(_weight_copies(torch.empty(4, 4, dtype=FP8))) == 1  # a dry run on the CPU
+
+
 def test_w8a8_sweep_dry_run_prints_table_entries(tmp_path):
     """`bench.quant_gpu --sweep w8a8 --dry-run`: the sweep's whole path at tiny shapes (each candidate, fused
     and unfused, checked against its reference), a JSON row per shape and rows (1 and 16 rows share the
