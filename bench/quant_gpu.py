@@ -323,8 +323,10 @@ def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     a program in flight at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes.
     So: BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a
     quarter to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8
-    stages (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory."""
-    found = []
+    stages (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory. Ordered
+    for a sweep its budget cuts: wide and deep alternating, each kind nearest 1.5 programs per SM first (all in
+    flight at once: weight bytes in flight, not SM count, bound a latency-bound stream)."""
+    wide, deep = [], []
     for bn in (128, 256):
         for split in (2, 4, 8):
             programs = -(-n // bn) * split
@@ -334,13 +336,19 @@ def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
                 # 64 accumulators a thread at most: the fp8 promotion keeps a second set (BLOCK_N 256 on 4
                 # warps compiles to 255 registers and spills in the main loop).
                 if bm * bn // (32 * nw) <= 64 and ns * (bm + bn) * 128 <= 200 * 1024:
-                    found.append(W8A8Tiles(bm, bn, 128, split, nw, ns))
+                    wide.append(W8A8Tiles(bm, bn, 128, split, nw, ns))
     for bn in (32, 64):
         for split in (1, 2):
-            for ns in (6, 8):
+            for ns in (8, 6):
                 if k // (128 * split) >= 2 and ns * (bm + bn) * 128 <= 200 * 1024:
-                    found.append(W8A8Tiles(bm, bn, 128, split, 4, ns))
-    return found
+                    deep.append(W8A8Tiles(bm, bn, 128, split, 4, ns))
+
+    def per_sm(t: W8A8Tiles) -> float:
+        return abs(-(-n // t.block_n) * t.split / num_sms - 1.5)
+
+    wide.sort(key=per_sm)  # stable: 4 warps before 8, more stages first, as listed
+    deep.sort(key=per_sm)
+    return [t for pair in itertools.zip_longest(wide, deep) for t in pair if t is not None]
 
 
 def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
@@ -450,10 +458,10 @@ def _summed(timed: dict, config) -> float:
 def sweep_w8a8(
     out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
 ) -> list[str]:
-    """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
+    """The W8A8 8-bit GEMM at 64, then 1 and 16 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
     first: the rule's tiles (unfused and fused), the shipped table's, main's unsplit tiles (16 rows), the wide
-    and deep tiles (w8a8_wide_candidates; 64 rows), then candidates (w8a8_candidates) until
-    the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
+    and deep tiles (w8a8_wide_candidates; 64 rows), then candidates (w8a8_candidates) until the shape's share
+    of `budget_s` (fp8 shares weigh twice int8's, 64 rows twice 16), each checked against its reference
     (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
     left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
     quantize_rows + torch._scaled_mm (int8: + torch._int_mm, padded to 32 rows, and the scaling). The 16-row
@@ -468,8 +476,9 @@ def sweep_w8a8(
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     sms = _num_sms(torch.device(device))
     deadline = time.monotonic() + budget_s
-    combos = [(kind, bm, k, n) for kind in kinds for bm in (16, 64) for k, n in shapes]
-    weights = [2 if kind == "fp8" else 1 for kind, *_ in combos]
+    combos = [(kind, bm, k, n) for kind in kinds for bm in (64, 16) for k, n in shapes]
+    # fp8 before int8 and 64 rows (the W1 decode batch, issue 22's fp8 goal) before 16, in order and in budget.
+    weights = [(2 if kind == "fp8" else 1) * (2 if bm == 64 else 1) for kind, bm, *_ in combos]
     entries, totals = [], {}
     for i, (kind, bm, k, n) in enumerate(combos):
         stop = time.monotonic() + max(0.0, deadline - time.monotonic()) * weights[i] / sum(weights[i:])
