@@ -317,14 +317,15 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
 
 def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     """Unfused tiles for a decode batch of bm rows (one program covers them all) that keep more weight in
-    flight per SM than the H200 table's 64-row qkv / o_proj tiles. Those (BLOCK_N 32; sm_90 SASS of Triton 3.6:
-    wgmma with both operands in shared memory, cp.async 16-byte loads, the wgmma waited on every step for the
-    float32 promotion) spend two thirds of each stage on the 64 x 128 activation tile, leaving 8 KiB of weight
-    a program in flight at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes.
-    So: BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a
-    quarter to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8
-    stages (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory. Ordered
-    for a sweep its budget cuts: wide and deep alternating, each kind nearest 1.5 programs per SM first (all in
+    flight per SM than the H200 table's 64-row qkv / o_proj tiles. Those (BLOCK_N 32; sm_90 SASS of Triton
+    3.6: wgmma with both operands in shared memory, cp.async 16-byte loads, the wgmma waited on every step for
+    the float32 promotion) spend two thirds of each stage on the 64 x 128 activation tile, leaving at most
+    8 KiB of weight a program in flight (3 stages: the loop waits for all but the next step's two cp.async
+    groups) at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes. So:
+    BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a quarter
+    to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8 stages
+    (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory. Ordered for a
+    sweep its budget cuts: wide and deep alternating, each kind nearest 1.5 programs per SM first (all in
     flight at once: weight bytes in flight, not SM count, bound a latency-bound stream)."""
     wide, deep = [], []
     for bn in (128, 256):
