@@ -583,6 +583,42 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
         assert count < (200 if not fused else 600 if bm == 16 else 2000), line
 
 
+@pytest.mark.slow
+def test_wide_64_row_fp8_candidates_compile_for_sm90_without_spills():
+    """Every kernel of bench.quant_gpu.w8a8_wide_candidates at the 8B's shapes (BLOCK_N 128 / 256 on 4 or 8
+    warps, BLOCK_N 32 / 64 with 6 or 8 stages) compiles for sm_90 with fp8 wgmma (QGMMA) and no local-memory
+    spills (BLOCK_N 256 on 4 warps, 128 accumulators a thread and the promotion's second set, would spill)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
+    code = (
+        "import os, subprocess, tempfile, triton\n"
+        "from bench.quant_gpu import SHAPES, compile_w8a8, w8a8_wide_candidates\n"
+        "nv = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'nvdisasm')\n"
+        "kernels = {(t.block_n, t.num_warps, t.num_stages): t for k, n in SHAPES\n"
+        "           for t in w8a8_wide_candidates(64, n, k, 132)}\n"
+        "for key, t in sorted(kernels.items()):\n"
+        "    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:\n"
+        "        f.write(compile_w8a8(t, False, False).asm['cubin']); f.flush()\n"
+        "        sass = subprocess.run([nv, '-c', f.name], capture_output=True, text=True, check=True).stdout\n"
+        "    print(*key, sass.count('QGMMA'), sass.count('LDL') + sass.count('STL'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) >= 9, lines
+    for line in lines:
+        bn, warps, stages, qgmma, spills = map(int, line.split())
+        assert qgmma > 0 and spills == 0, line
+
+
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
 def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k):
     """The GEMV (no tl.dot) at 1 and 3 rows with K split four and two ways: the slice's last program adds the
