@@ -518,13 +518,10 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
         assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best"], {"MidTiles": MidTiles})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
-def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
-    """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
-    ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
-    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
-    the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
+def _compile_for_sm90(code: str) -> str:
+    """The standard output of `code` run in a process of its own (this one's kernels are the interpreter's:
+    TRITON_INTERPRET=1), which compiles kernels for sm_90 without a GPU; skips where this Triton has no NVIDIA
+    backend."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -534,17 +531,26 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
-    # A process of its own: the kernels of this one are the interpreter's (TRITON_INTERPRET=1).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
+def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
+    """The rule's tiles (Llama-3-8B's o projection, 132 SMs) compile for sm_90 without a GPU (Triton and the
+    ptxas of its wheel; bench/quant_sass.py) and the main loop issues few instructions per weight per thread:
+    5.9 to 10.9 with Triton 3.6, where loading a word per weight (as the prompt kernel does) took 25 to 33,
+    the cost that made decode batches of 16 and 64 slower than bf16 on an H100."""
     code = (
         "from bench.quant_sass import per_weight; from engine.kernels.quant_gemm import mid_rule\n"
         f"tiles = mid_rule({m}, 4096, 4096, 128, num_sms=132)\n"
         "cost, kernel, ops = per_weight(tiles=tiles, bits=" + str(bits) + ")\n"
         "print(cost, ops['HMMA'] + ops['HGMMA'], tiles)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    cost, mma, tiles = done.stdout.split(" ", 2)
+    cost, mma, tiles = _compile_for_sm90(code).split(" ", 2)
     assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
     assert int(mma) > 0  # the product is on the tensor cores
 
@@ -556,15 +562,6 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
     stays short (71 to 144 instructions with Triton 3.9, its loads 16-byte asynchronous copies; byte loads, as
     when the K-sized arguments are not known to be multiples of 16, take ~700), and the fused one pays for
     quantizing its step (~420 at 16 rows, ~1,200 to 1,500 at 64)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     code = (
         "from bench.quant_gpu import compile_w8a8; from bench.quant_sass import loop_stats\n"
         "from engine.kernels.w8a8 import w8a8_rule\n"
@@ -574,10 +571,7 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
         "            n, ops = loop_stats(compile_w8a8(w8a8_rule(bm, bm, 4096, 4096, 132), int8, fused))\n"
         "            print(bm, int(int8), int(fused), n, sum(c for o, c in ops.items() if 'MMA' in o))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.splitlines():
+    for line in _compile_for_sm90(code).splitlines():
         bm, int8, fused, count, mma = map(int, line.split())
         assert mma > 0, line
         assert count < (200 if not fused else 600 if bm == 16 else 2000), line
@@ -588,15 +582,6 @@ def test_wide_64_row_fp8_candidates_compile_for_sm90_without_spills():
     """Every kernel of bench.quant_gpu.w8a8_wide_candidates at the 8B's shapes (BLOCK_N 128 / 256 on 4 or 8
     warps, BLOCK_N 32 / 64 with 6 or 8 stages) compiles for sm_90 with fp8 wgmma (QGMMA) and no local-memory
     spills (BLOCK_N 256 on 4 warps, 128 accumulators a thread and the promotion's second set, would spill)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     code = (
         "import os, subprocess, tempfile, triton\n"
         "from bench.quant_gpu import SHAPES, compile_w8a8, w8a8_wide_candidates\n"
@@ -609,10 +594,7 @@ def test_wide_64_row_fp8_candidates_compile_for_sm90_without_spills():
         "        sass = subprocess.run([nv, '-c', f.name], capture_output=True, text=True, check=True).stdout\n"
         "    print(*key, sass.count('QGMMA'), sass.count('LDL') + sass.count('STL'))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    lines = _compile_for_sm90(code).splitlines()
     assert len(lines) >= 9, lines
     for line in lines:
         bn, warps, stages, qgmma, spills = map(int, line.split())
