@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import time
@@ -345,6 +346,43 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     )
 
 
+def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
+    """Unfused tiles for a decode batch of bm rows (one program covers them all) that keep more weight in
+    flight per SM than the H200 table's 64-row qkv / o_proj tiles. Those (BLOCK_N 32; sm_90 SASS of Triton
+    3.6: wgmma with both operands in shared memory, cp.async 16-byte loads, the wgmma waited on every step for
+    the float32 promotion) spend two thirds of each stage on the 64 x 128 activation tile, leaving at most
+    8 KiB of weight a program in flight (3 stages: the loop waits for all but the next step's two cp.async
+    groups) at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes. So:
+    BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a quarter
+    to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8 stages
+    (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory. Ordered for a
+    sweep its budget cuts: wide and deep alternating, each kind nearest 1.5 programs per SM first (all in
+    flight at once: weight bytes in flight, not SM count, bound a latency-bound stream)."""
+    wide, deep = [], []
+    for bn in (128, 256):
+        for split in (2, 4, 8):
+            programs = -(-n // bn) * split
+            if k // (128 * split) < 2 or not num_sms // 2 <= programs <= 4 * num_sms:
+                continue
+            for nw, ns in ((4, 4), (8, 4), (8, 3)):
+                # 64 accumulators a thread at most: the fp8 promotion keeps a second set (BLOCK_N 256 on 4
+                # warps compiles to 255 registers and spills in the main loop).
+                if bm * bn // (32 * nw) <= 64 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    wide.append(W8A8Tiles(bm, bn, 128, split, nw, ns))
+    for bn in (32, 64):
+        for split in (1, 2):
+            for ns in (8, 6):
+                if k // (128 * split) >= 2 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    deep.append(W8A8Tiles(bm, bn, 128, split, 4, ns))
+
+    def per_sm(t: W8A8Tiles) -> float:
+        return abs(-(-n // t.block_n) * t.split / num_sms - 1.5)
+
+    wide.sort(key=per_sm)  # stable: 4 warps before 8, more stages first, as listed
+    deep.sort(key=per_sm)
+    return [t for pair in itertools.zip_longest(wide, deep) for t in pair if t is not None]
+
+
 def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
     """The 8-bit GEMM as ScaledLinear launches it on bf16 activations (K a multiple of BLOCK_K, pointers and
     K-sized integers divisible by 16, as Triton specializes a launch at the 8B's shapes), compiled for `arch`
@@ -410,6 +448,25 @@ def _time_graph(call) -> float:
     return do_bench_cudagraph(call, rep=20) * 1000
 
 
+# Bytes of weight copies a CUDA-graph timing cycles through: five times an H100's / H200's 50 MB L2. Replayed
+# back to back on one weight, the 8B's qkv (25 MB) and o_proj (17 MB) fp8 weights stay in L2 and a tile is
+# timed at L2 latency; in a decode step every layer's weight comes from HBM (the step reads gigabytes).
+COLD_BYTES = 256 << 20
+
+
+def _weight_copies(wq: torch.Tensor) -> list[torch.Tensor]:
+    """wq and copies of it, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
+    count = 1 if wq.device.type == "cpu" else max(1, -(-COLD_BYTES // (wq.numel() * wq.element_size())))
+    return [wq, *(wq.clone() for _ in range(count - 1))]
+
+
+def _cycling(call, weights: list[torch.Tensor]):
+    """call(wq=w) for the next weight of the list each time: a CUDA graph captured from it replays the launches
+    on the copies in turn, so each reads its weight from HBM as a decode step does."""
+    turn = itertools.count()
+    return lambda: call(wq=weights[next(turn) % len(weights)])
+
+
 def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
     """E4M3 values with +-448 every 16 inputs: every block of 16 or more has amax 448 (scale 1, nothing to round),
     so the Triton interpreter's fp8 rounding (half-up, no carry into the exponent) cannot differ (dry runs)."""
@@ -462,9 +519,10 @@ def _summed(timed: dict, config) -> float:
 def sweep_w8a8(
     out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
 ) -> list[str]:
-    """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
-    first: the rule's tiles (unfused and fused), main's unsplit tiles, then candidates (w8a8_candidates) until
-    the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
+    """The W8A8 8-bit GEMM at 64, then 1 and 16 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
+    first: the rule's tiles (unfused and fused), the shipped table's, main's unsplit tiles (16 rows), the wide
+    and deep tiles (w8a8_wide_candidates; 64 rows), then candidates (w8a8_candidates) until the shape's share
+    of `budget_s` (fp8 shares weigh twice int8's, 64 rows twice 16), each checked against its reference
     (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
     left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
     quantize_rows + torch._scaled_mm (int8: + torch._int_mm, padded to 32 rows, and the scaling). The 16-row
@@ -472,15 +530,16 @@ def sweep_w8a8(
     layer's totals (the four matmuls), the rows at which the Triton GEMM wins (FP8_TRITON_MAX_M /
     INT8_TRITON_MAX_M), and W8A8_TABLE entries, which it prints and returns."""
     from engine.kernels.quant_gemm import _num_sms
-    from engine.kernels.w8a8 import w8a8_rule
+    from engine.kernels.w8a8 import w8a8_rule, w8a8_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     sms = _num_sms(torch.device(device))
     deadline = time.monotonic() + budget_s
-    combos = [(kind, bm, k, n) for kind in kinds for bm in (16, 64) for k, n in shapes]
-    weights = [2 if kind == "fp8" else 1 for kind, *_ in combos]
+    combos = [(kind, bm, k, n) for kind in kinds for bm in (64, 16) for k, n in shapes]
+    # fp8 before int8 and 64 rows (the W1 decode batch, issue 22's fp8 goal) before 16, in order and in budget.
+    weights = [(2 if kind == "fp8" else 1) * (2 if bm == 64 else 1) for kind, bm, *_ in combos]
     entries, totals = [], {}
     for i, (kind, bm, k, n) in enumerate(combos):
         stop = time.monotonic() + max(0.0, deadline - time.monotonic()) * weights[i] / sum(weights[i:])
@@ -494,9 +553,14 @@ def sweep_w8a8(
         xs = {m: x.to(dtype) for m, x in xs.items()}
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
+        copies = _weight_copies(wq)
         rule = w8a8_rule(bm, bm, n, k, sms)
-        candidates = [rule, replace(rule, fused=True), *([MAIN_W8A8_TILES] if bm == 16 else [])]
-        candidates += [c for c in w8a8_candidates(bm, n, k, sms) if c not in candidates]
+        # The shipped table's tiles third (timed as "table"); at 64 rows the wide / deep candidates before the grid.
+        table = w8a8_tiles(kind, bm, n, k, sms)
+        candidates = [rule, replace(rule, fused=True), table, *([MAIN_W8A8_TILES] if bm == 16 else [])]
+        candidates += w8a8_wide_candidates(bm, n, k, sms) if bm == 64 else []
+        candidates += w8a8_candidates(bm, n, k, sms)
+        candidates = list(dict.fromkeys(candidates))
         timed, failed = {}, []
         for config in candidates[:3] if dry_run else candidates:
             if len(timed) >= 3 and time.monotonic() > stop:
@@ -511,7 +575,7 @@ def sweep_w8a8(
                 failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
                 print(f"{kind} K={k:5} N={n:5} bm={bm}  failed to compile or run: {config!r}: {failed[-1][1]}")
                 continue
-            timed[config] = {m: _time_graph(partial(run, config, xs[m])) for m in rows}
+            timed[config] = {m: _time_graph(_cycling(partial(run, config, xs[m]), copies)) for m in rows}
         if not timed:
             _emit(out, {"sweep": f"w8a8-{kind}", "k": k, "n": n, "block_m": bm, "failed": failed},
                   f"{kind} K={k:5} N={n:5} bm={bm}  every candidate tried failed")  # fmt: skip
@@ -522,8 +586,9 @@ def sweep_w8a8(
         by_kind = {f: min((c for c in timed if c.fused == f), key=total, default=None) for f in (False, True)}
         for m in rows:
             us = {
-                "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
+                "torch": _time_graph(_cycling(partial(_w8a8_torch, xs[m], ws=ws, dtype=dtype), copies)),
                 "rule": timed.get(rule, {}).get(m, float("nan")),
+                "table": timed.get(table, {}).get(m, float("nan")),
                 "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
                 "unfused": timed[by_kind[False]][m] if by_kind[False] else float("nan"),
                 "fused": timed[by_kind[True]][m] if by_kind[True] else float("nan"),
@@ -544,7 +609,8 @@ def sweep_w8a8(
             torch_name = "_scaled_mm" if kind == "fp8" else "_int_mm"
             _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:30} {us['best']:7.1f} us "
                             f"{nbytes / us['best'] / 1e3:6.0f} GB/s ({len(timed)} tried) | unfused "
-                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | main's "
+                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | table "
+                            f"{us['table']:7.1f} | main's "
                             f"{us['main']:7.1f} | "
                             f"quantize_rows+{torch_name} {us['torch']:7.1f}")  # fmt: skip
         entries.append(f"    ({kind!r}, {k}, {n}, {bm}): {best!r},")
@@ -553,8 +619,8 @@ def sweep_w8a8(
             f"{key}_us": round(v, 2) for key, v in tot.items()
         }
         _emit(out, summary, f"{kind} layer at m={m:2}: quantize_rows+torch {tot['torch']:.1f} us, rule "
-                            f"{tot['rule']:.1f}, main's tiles {tot['main']:.1f}, best unfused {tot['unfused']:.1f}, "
-                            f"best fused {tot['fused']:.1f}, "
+                            f"{tot['rule']:.1f}, table {tot['table']:.1f}, main's tiles {tot['main']:.1f}, "
+                            f"best unfused {tot['unfused']:.1f}, best fused {tot['fused']:.1f}, "
                             f"best {tot['best']:.1f} (torch / best = {tot['torch'] / tot['best']:.2f}x; shapes "
                             f"that failed count 0)")  # fmt: skip
     for kind in kinds:
@@ -566,6 +632,33 @@ def sweep_w8a8(
         )
     print("W8A8_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
     return entries
+
+
+def profile_w8a8(m: int, kind: str = "fp8") -> None:
+    """The 8-bit GEMM alone (rows quantized beforehand) at m rows for the four 8B shapes with the tiles
+    w8a8_tiles picks, twice in that order: under Nsight Compute (gpu_check.sh `fp8-ncu`) the second pass,
+    `--launch-skip 4 --launch-count 4`, is the compiled kernels' steady state. Then each timed from a CUDA graph
+    on weight copies that do not fit in L2 (_cycling)."""
+    from engine.kernels.quant_gemm import _num_sms
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
+
+    qdtype = FP8 if kind == "fp8" else torch.int8
+    runs = []
+    for k, n in SHAPES:
+        wq, ws = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02, qdtype)
+        xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
+        tiles = w8a8_tiles(kind, m, n, k, _num_sms(wq.device))
+        counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
+        ws = ws.reshape(1, -1).contiguous()
+        call = partial(scaled_matmul, xq, xs, b_scale=ws, out_dtype=torch.bfloat16, config=tiles, counters=counters)
+        runs.append((k, n, tiles, partial(call, b=wq), _cycling(lambda wq, call=call: call(b=wq), _weight_copies(wq))))
+    for _ in range(2):
+        for _, _, _, run, _ in runs:
+            run()
+    torch.cuda.synchronize()
+    for k, n, tiles, _, cold in runs:
+        us = _time_graph(cold)
+        print(f"{kind} K={k:5} N={n:5} m={m}: {tiles!r} {us:7.1f} us {n * k / us / 1e3:6.0f} GB/s", flush=True)
 
 
 def main() -> None:
@@ -590,6 +683,12 @@ def main() -> None:
         "TRITON_INTERPRET=1 (checks the sweep runs; its times mean nothing)",
     )
     parser.add_argument("--no-layers", action="store_true", help="skip the per-layer table (sweep only)")
+    parser.add_argument(
+        "--w8a8-profile",
+        type=int,
+        metavar="ROWS",
+        help="only the fp8 GEMM at ROWS rows, the four shapes twice with the shipped tiles (for ncu), then timed",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.dry_run:
@@ -602,6 +701,9 @@ def main() -> None:
                 sweep_gemv(out, args.budget, dry_run=True)
             else:
                 sweep_mid(out, args.budget, dry_run=True)
+        return
+    if args.w8a8_profile:
+        profile_w8a8(args.w8a8_profile)
         return
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for k, n in SHAPES]

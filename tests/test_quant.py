@@ -519,8 +519,9 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
 
 
 def _compile_for_sm90(code: str) -> str:
-    """Runs `code` (which compiles kernels for sm_90 with Triton and the ptxas of its wheel, no GPU needed) in a
-    process of its own, whose kernels are not the interpreter's (TRITON_INTERPRET=1), and returns its stdout."""
+    """The standard output of `code` run in a process of its own (this one's kernels are the interpreter's:
+    TRITON_INTERPRET=1), which compiles kernels for sm_90 without a GPU; skips where this Triton has no NVIDIA
+    backend."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -531,7 +532,7 @@ def _compile_for_sm90(code: str) -> str:
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90 with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -549,8 +550,7 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
         "cost, kernel, ops = per_weight(tiles=tiles, bits=" + str(bits) + ")\n"
         "print(cost, ops['HMMA'] + ops['HGMMA'], tiles)"
     )
-    stdout = _compile_for_sm90(code)
-    cost, mma, tiles = stdout.split(" ", 2)
+    cost, mma, tiles = _compile_for_sm90(code).split(" ", 2)
     assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
     assert int(mma) > 0  # the product is on the tensor cores
 
@@ -571,8 +571,7 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
         "            n, ops = loop_stats(compile_w8a8(w8a8_rule(bm, bm, 4096, 4096, 132), int8, fused))\n"
         "            print(bm, int(int8), int(fused), n, sum(c for o, c in ops.items() if 'MMA' in o))\n"
     )
-    stdout = _compile_for_sm90(code)
-    for line in stdout.splitlines():
+    for line in _compile_for_sm90(code).splitlines():
         bm, int8, fused, count, mma = map(int, line.split())
         assert mma > 0, line
         assert count < (200 if not fused else 600 if bm == 16 else 2000), line
@@ -606,6 +605,30 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
         assert int(v4 if int(block_n) >= 64 else v2) >= 2, line
         bound = {("4", "64"): 5.6, ("4", "32"): 7.0, ("8", "64"): 7.0, ("8", "32"): 7.6}[bits, block_n]
         assert float(per) < bound, line
+
+
+@pytest.mark.slow
+def test_wide_64_row_fp8_candidates_compile_for_sm90_without_spills():
+    """Every kernel of bench.quant_gpu.w8a8_wide_candidates at the 8B's shapes (BLOCK_N 128 / 256 on 4 or 8
+    warps, BLOCK_N 32 / 64 with 6 or 8 stages) compiles for sm_90 with fp8 wgmma (QGMMA) and no local-memory
+    spills (BLOCK_N 256 on 4 warps, 128 accumulators a thread and the promotion's second set, would spill)."""
+    code = (
+        "import os, subprocess, tempfile, triton\n"
+        "from bench.quant_gpu import SHAPES, compile_w8a8, w8a8_wide_candidates\n"
+        "nv = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'nvdisasm')\n"
+        "kernels = {(t.block_n, t.num_warps, t.num_stages): t for k, n in SHAPES\n"
+        "           for t in w8a8_wide_candidates(64, n, k, 132)}\n"
+        "for key, t in sorted(kernels.items()):\n"
+        "    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:\n"
+        "        f.write(compile_w8a8(t, False, False).asm['cubin']); f.flush()\n"
+        "        sass = subprocess.run([nv, '-c', f.name], capture_output=True, text=True, check=True).stdout\n"
+        "    print(*key, sass.count('QGMMA'), sass.count('LDL') + sass.count('STL'))\n"
+    )
+    lines = _compile_for_sm90(code).splitlines()
+    assert len(lines) >= 9, lines
+    for line in lines:
+        bn, warps, stages, qgmma, spills = map(int, line.split())
+        assert qgmma > 0 and spills == 0, line
 
 
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 256), (4, 128, 192), (8, 32, 128), (8, -1, 256)])
@@ -892,6 +915,32 @@ def test_split_k_scaled_matmul_matches_the_reference(qdtype, m):
             assert not counters.any()
 
 
+@pytest.mark.parametrize("m", [33, 64])
+def test_wide_64_row_candidates_match_the_reference(m):
+    """The 64-row tiles the fp8 sweep tries first (bench.quant_gpu.w8a8_wide_candidates: BLOCK_N 128 / 256 with
+    K split 2 and 4 ways, BLOCK_N 32 / 64 unsplit and split in two) at K 1024, N 256 (4 SMs, so the splits the
+    8B's shapes take on 132 arise here), fp8 within float32 rounding of the per-row product, counters zeroed."""
+    pytest.importorskip("triton")
+    from bench.quant_gpu import w8a8_wide_candidates
+    from engine.kernels.w8a8 import scaled_matmul
+
+    g = torch.Generator().manual_seed(m)
+    k, n = 1024, 256
+    wq, ws = _w8a8_weight(n, k, FP8, g)
+    layer = ScaledLinear(wq.cpu(), ws.flatten().cpu(), None, torch.float32)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = layer._quantize_input(x)
+    ref = layer._reference(x)
+    counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
+    # Warps and stages do not change what the interpreter computes: one run per BLOCK_N and split.
+    configs = {(c.block_n, c.split): c for c in w8a8_wide_candidates(64, n, k, num_sms=4)}
+    assert set(configs) == {(128, 2), (128, 4), (256, 2), (256, 4), (32, 1), (32, 2), (64, 1), (64, 2)}
+    for config in configs.values():
+        out = scaled_matmul(xq.to(DEV), xs.contiguous().to(DEV), wq, ws, torch.float32, config, counters).cpu()
+        _assert_fp8_product_close(out, ref)
+        assert not counters.any(), config
+
+
 def _assert_fp8_product_close(out: torch.Tensor, ref: torch.Tensor, atol: float = 1e-5) -> None:
     """An fp8 GEMM against its float32 reference: float32 rounding under the interpreter; on CUDA the MMA adds
     each instruction's products at reduced precision (the kernel promotes to float32 every 128 inputs), so
@@ -1004,6 +1053,23 @@ def test_scaled_linear_takes_the_fused_gemm_its_tiles_name(monkeypatch):
     assert torch.equal(static._triton(x.to(DEV), "int8").cpu(), static.cpu()._reference(x))
 
 
+def test_w8a8_sweep_times_each_launch_on_a_weight_copy_out_of_l2():
+    """The sweep's CUDA-graph timing cycles through weight copies of at least COLD_BYTES (five 50 MB L2s), so the
+    8B's qkv fp8 weight (25 MB) is read from memory as in a decode step (meta tensors: no memory used)."""
+    from bench.quant_gpu import COLD_BYTES, _cycling, _weight_copies
+
+    wq = torch.empty(6144, 4096, dtype=FP8, device="meta")
+    copies = _weight_copies(wq)
+    assert copies[0] is wq and len(copies) == 11 and len(copies) * wq.numel() >= COLD_BYTES
+    seen = []
+    call = _cycling(lambda wq: seen.append(wq), copies)
+    for _ in range(2 * len(copies)):
+        call()
+    assert [id(w) for w in seen] == [id(w) for w in copies] * 2
+    assert len(_weight_copies(torch.empty(28672, 4096, dtype=FP8, device="meta"))) == 3
+    assert len(_weight_copies(torch.empty(4, 4, dtype=FP8))) == 1  # a dry run on the CPU
+
+
 def test_w8a8_sweep_dry_run_prints_table_entries(tmp_path):
     """`bench.quant_gpu --sweep w8a8 --dry-run`: the sweep's whole path at tiny shapes (each candidate, fused
     and unfused, checked against its reference), a JSON row per shape and rows (1 and 16 rows share the
@@ -1058,9 +1124,9 @@ def test_w8a8_cuda_kernels_are_the_reference_bit_for_bit(qdtype, static):
 @pytest.mark.parametrize("qdtype", [FP8, torch.int8])
 def test_w8a8_gemm_full_shapes_split_and_fused_on_cuda(qdtype):
     """The 8B's four decode matmuls at 1 / 16 / 33 / 64 rows: the rule's tiles and candidates of the sweep's
-    grid, unfused against the per-row product (int8: int64 sums, bit for bit) and fused against
-    block_scaled_matmul, one counter array shared by all launches as a layer shares it."""
-    from bench.quant_gpu import SHAPES, w8a8_candidates
+    grid (and of its wide / deep 64-row tiles), unfused against the per-row product (int8: int64 sums, bit for
+    bit) and fused against block_scaled_matmul, one counter array shared by all launches as a layer shares it."""
+    from bench.quant_gpu import SHAPES, w8a8_candidates, w8a8_wide_candidates
     from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul, w8a8_tiles
     from engine.layers.linear import block_scaled_matmul
 
@@ -1078,7 +1144,8 @@ def test_w8a8_gemm_full_shapes_split_and_fused_on_cuda(qdtype):
                 ref = (xq.float() @ wq.float().t()) * xs * ws
             bm = max(16, 1 << (m - 1).bit_length())
             kind = "int8" if qdtype == torch.int8 else "fp8"
-            for config in [w8a8_tiles(kind, m, n, k, sms), *w8a8_candidates(bm, n, k, sms)[::17]]:
+            wide = w8a8_wide_candidates(bm, n, k, sms)[::3] if bm == 64 else []
+            for config in [w8a8_tiles(kind, m, n, k, sms), *w8a8_candidates(bm, n, k, sms)[::17], *wide]:
                 if config.fused:
                     fref = block_scaled_matmul(x.float(), wq, ws, config.block_k, torch.float32)
                     got = fused_scaled_matmul(x, wq, ws, torch.bfloat16, config, counters).float()

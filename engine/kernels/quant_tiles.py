@@ -166,7 +166,10 @@ INT8_TRITON_MAX_M = 16
 FP8_TRITON_MAX_M = 64
 
 # ("int8" or "fp8", K, N, BLOCK_M) -> the 8-bit GEMM's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16), from the sweep above. Shapes not listed take w8a8.w8a8_rule.
+# rows, at least 16), from the sweep above. Shapes not listed take w8a8.w8a8_rule. That sweep replayed each
+# launch on one weight, so qkv's and o_proj's (25 and 17 MB) were read from L2: their BLOCK_N 32 tiles (at most
+# 8 KiB of weight in flight a program, a third of each pipeline stage) may be too shallow for HBM's latency;
+# the sweep now times on weight copies out of L2 and tries wider / deeper 64-row tiles first.
 W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
     ("fp8", 4096, 6144, 16): W8A8Tiles(
         block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=False
