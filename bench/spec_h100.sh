@@ -25,8 +25,8 @@
 #   Speculation against none, judged to a few percent (issue 21): one server's configurations interleaved in ROUNDS
 #   rounds, e.g. after call 4 (or calls 3-4 without vLLM's parts):
 #     6 run(command="ROUNDS=1 bash bench/spec_h100.sh bench pagoda-none pagoda-ngram")   # again for each round
-#   (measured on the H100: ~2.5-3 minutes a configuration and round at the defaults, most of it the server's
-#   start, so one call of 8 minutes holds one round of two configurations: ROUNDS=1 per call, and the summary
+#   (measured on the H100: ~2.5-3 minutes a configuration and round at the defaults, of which the server's start
+#   is ~20 s, so one call of 8 minutes holds one round of two configurations: ROUNDS=1 per call, and the summary
 #   pools the rounds of successive calls on a warm machine; on a machine fresh from 3-4 only,
 #   `stage`/`install` of this script must come first in the same call.)
 #   install exits 3 when a part is gone (a fresh machine: stage both again), 4 on a checksum mismatch.

@@ -106,11 +106,15 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
     this thread and this block; buffers (the rotary tables) are computed, not filled, and stay as built."""
 
     _FILLS = {torch.Tensor.uniform_, torch.Tensor.normal_}
+    # torch.nn.init's random initializers (its constant ones, ones_ / zeros_ / constant_, still run).
+    _RANDOM_INITS = {"uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                     "xavier_normal_", "orthogonal_", "sparse_"}  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # The initializers come here whole (torch.nn.init's functions dispatch to the mode themselves, and
         # what they call inside this handler does not come back to it), or as the bare in-place fills.
-        if func in self._FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+        init = getattr(func, "__module__", None) == "torch.nn.init" and func.__name__ in self._RANDOM_INITS
+        if init or func in self._FILLS:
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
 

@@ -1047,10 +1047,10 @@ def test_scaled_linear_takes_the_fused_gemm_its_tiles_name(monkeypatch):
     x = torch.randn(33, 256, generator=g) * 2
     dynamic = ScaledLinear(wq, ws.flatten(), None, torch.float32)
     ref = block_scaled_matmul(x, wq.cpu(), ws.cpu(), 64, torch.float32)
-    torch.testing.assert_close(dynamic._triton(x.to(DEV), "int8").cpu(), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dynamic._triton(x.to(DEV)).cpu(), ref, atol=1e-4, rtol=1e-5)
     assert not torch.equal(ref, dynamic.cpu()._reference(x))  # per block is not per row
     static = ScaledLinear(wq, ws.flatten(), None, torch.float32, input_scale=torch.tensor(0.05, device=DEV))
-    assert torch.equal(static._triton(x.to(DEV), "int8").cpu(), static.cpu()._reference(x))
+    assert torch.equal(static._triton(x.to(DEV)).cpu(), static.cpu()._reference(x))
 
 
 def test_w8a8_sweep_times_each_launch_on_a_weight_copy_out_of_l2():

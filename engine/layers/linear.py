@@ -224,16 +224,13 @@ class ScaledLinear(nn.Module):
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return self._reference_product(*self._quantize_input(x))
 
-    def _kind(self) -> str:
-        return "fp8" if self.weight.dtype == FP8 else "int8"
-
-    def _tiles(self, rows: int, kind: str | None = None):
+    def _tiles(self, rows: int):
         """The Triton 8-bit GEMM's tiles (a W8A8Tiles) for `rows` rows."""
         from engine.kernels.quant_gemm import _num_sms
         from engine.kernels.w8a8 import w8a8_tiles
 
-        n, k = self.out_features, self.in_features
-        return w8a8_tiles(kind or self._kind(), rows, n, k, _num_sms(self.weight.device))
+        kind = "fp8" if self.weight.dtype == FP8 else "int8"
+        return w8a8_tiles(kind, rows, self.out_features, self.in_features, _num_sms(self.weight.device))
 
     def _triton_rows(self, rows: int) -> bool:
         """Whether `rows` rows take the Triton 8-bit GEMM: on CUDA, up to the kind's limit."""
@@ -265,11 +262,11 @@ class ScaledLinear(nn.Module):
             return torch._scaled_mm(xq, w, scale_a=xs, scale_b=self.weight_scale, out_dtype=self.dtype)
         return (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.dtype)
 
-    def _triton(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
         """The Triton 8-bit GEMM, fused or after quantize_rows as its tiles (and a static input scale) say."""
         from engine.kernels.w8a8 import fused_scaled_matmul, quantize_rows, scaled_matmul
 
-        config = self._tiles(x.shape[0], kind)
+        config = self._tiles(x.shape[0])
         if config.fused and self.input_scale is None:
             return fused_scaled_matmul(x, self.weight, self.weight_scale, self.dtype, config, self.counters)
         xq, xs = quantize_rows(x, self.weight.dtype, self.input_scale)
@@ -281,7 +278,7 @@ class ScaledLinear(nn.Module):
             return self._reference(x)
         x = x.contiguous()
         if self._triton_rows(x.shape[0]):
-            return self._triton(x, self._kind())
+            return self._triton(x)
         from engine.kernels.w8a8 import quantize_rows
 
         return self._product(*quantize_rows(x, self.weight.dtype, self.input_scale))
