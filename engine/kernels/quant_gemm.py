@@ -5,9 +5,9 @@ The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for ever
 [K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N].
 
 Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
-- at most GEMV_MAX_M rows, a GEMV with no tl.dot: each program reads a BLOCK_N-wide slice of the packed words
-  over a range of K, coalesced along N, unpacks and converts them in registers, and accumulates in float32 for
-  every row at once.
+- at most GEMV_MAX_M[bits] rows (2 for 4-bit, 1 for 8-bit), a GEMV with no tl.dot: each program reads a
+  BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and converts them in
+  registers, and accumulates in float32 for every row at once.
 - up to MID_MAX_M rows (decode batches), a tl.dot kernel whose one program covers every row (BLOCK_M = the
   next power of two >= M, at least 16), so each weight tile is loaded and dequantized once whatever M is. The
   field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion) and
@@ -486,7 +486,7 @@ def weight_only_matmul(
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
         num_sms = _num_sms(x.device)
-        if 0 < m <= GEMV_MAX_M:
+        if 0 < m <= GEMV_MAX_M[bits]:
             config = gemv_tiles(bits, n, k, num_sms, m)
         elif m <= MID_MAX_M:
             config = mid_tiles(bits, m, n, k, group_size, num_sms)

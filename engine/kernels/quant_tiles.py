@@ -81,29 +81,27 @@ class RowTiles:
 # 4 rows at most). Its arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA
 # per row; an H100 streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM
 # cycle, so a few rows turn it compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The
-# H100 sweep (bench/results/2026-11-25-h100-be6e22a-quant-gemv-sweep.jsonl, the 8B's four decode matmuls):
-# at 2 rows the GEMV wins on all four for W4 and on three for W8 (N 28672: 93.9 us against tl.dot's 91.1)
-# (all four: W4 134 against 215 us, W8 191 against 250); at 4 rows tl.dot's total is lower (W4 216 against 220 us,
-# W8 210 against 224).
-GEMV_MAX_M = 2
+# H100 sweep of the GEMV that prefetches its loads (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl, the
+# 8B's four decode matmuls): at 2 rows the W4 GEMV still wins on all four (N 28672: 56.9 us against tl.dot's
+# 67.8; K 14336: 32.0 against 40.1), while tl.dot wins all four for W8 (the tiles tuned for one row hold twice
+# the prefetched words at two). So: bits -> the most rows the GEMV takes.
+GEMV_MAX_M: dict[int, int] = {4: 2, 8: 1}
 
-# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m),
-# swept before the GEMV unpacked a field with one AND and prefetched its loads: here prefetching two steps
-# ahead where the registers that takes (sm_90, Triton 3.6) still fit the grid in one wave of programs, else one
-# (W4 at 64 outputs: 95 registers, two programs of 8 warps an SM, 1.7 waves at N 28672; W4 at N 6144: 48,
-# five, 1.16 waves), until `QUANT_BUDGET=240 bash bench/gpu_check.sh quant-gemv` sweeps them again.
+# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m):
+# `QUANT_BUDGET=180 bash bench/gpu_check.sh quant-gemv` (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl).
+# The four 8B matmuls of a layer at one row: W4 91.4 us against bf16's 205.0 (2.24x), W8 128.2 (1.60x).
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
-    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8, prefetch=1),
-    (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8, prefetch=1),
+    (4, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=1),
+    (4, 4096, 4096): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=4, prefetch=1),
+    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=4, prefetch=1),
     (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=1),
-    (8, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
-    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+    (8, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=2),
+    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=64, split=4, num_warps=4, prefetch=2),
+    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8, prefetch=0, num_stages=3),
+    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=2),
 }
 
-# W4A16 / W8A16 decode batches above GEMV_MAX_M and up to MID_MAX_M rows take the decode tl.dot kernel, larger
+# W4A16 / W8A16 decode batches above GEMV_MAX_M[bits] and up to MID_MAX_M rows take the decode tl.dot kernel, larger
 # ones the prompt kernel. At these sizes the product is bound by reading the weight (K * N * bits / 8 bytes),
 # as at one row, so one program covers every row and each weight tile is dequantized once.
 MID_MAX_M = 64
@@ -166,13 +164,15 @@ INT8_TRITON_MAX_M = 16
 FP8_TRITON_MAX_M = 64
 
 # ("int8" or "fp8", K, N, BLOCK_M) -> the 8-bit GEMM's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16), from the sweep above. Shapes not listed take w8a8.w8a8_rule. That sweep replayed each
-# launch on one weight, so qkv's and o_proj's (25 and 17 MB) were read from L2: their BLOCK_N 32 tiles (at most
-# 8 KiB of weight in flight a program, a third of each pipeline stage) may be too shallow for HBM's latency;
-# the sweep now times on weight copies out of L2 and tries wider / deeper 64-row tiles first.
+# rows, at least 16). Shapes not listed take w8a8.w8a8_rule. From the H100 sweep that times every launch on a
+# weight copy out of L2 (256 MiB of copies cycled; qkv's 25 MB and o_proj's 17 MB would otherwise stay in the
+# 50 MB L2): `QUANT_BUDGET=220 bash bench/gpu_check.sh fp8-sweep-w1`
+# (bench/results/2026-11-26-h100-4b86bf1-fp8-sweep-w1.jsonl). A layer's four GEMMs at 64 rows: 116.8 us against
+# 128.2 for the tiles swept with weights in L2 and 134.0 for quantize_rows + torch._scaled_mm; at 16 rows 105.1
+# against 107.9 / 134.5. The 64-row winners keep 6-8 stages in flight (or K 256 a step) at BLOCK_N 32 / 64.
 W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
     ("fp8", 4096, 6144, 16): W8A8Tiles(
-        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=False
+        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=True
     ),
     ("fp8", 4096, 4096, 16): W8A8Tiles(
         block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=3, fused=True
@@ -181,19 +181,19 @@ W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
         block_m=16, block_n=128, block_k=256, split=1, num_warps=4, num_stages=3, fused=False
     ),
     ("fp8", 14336, 4096, 16): W8A8Tiles(
-        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=4, fused=True
+        block_m=16, block_n=128, block_k=128, split=8, num_warps=4, num_stages=3, fused=True
     ),
     ("fp8", 4096, 6144, 64): W8A8Tiles(
-        block_m=64, block_n=32, block_k=128, split=1, num_warps=8, num_stages=3, fused=False
+        block_m=64, block_n=64, block_k=128, split=1, num_warps=4, num_stages=8, fused=False
     ),
     ("fp8", 4096, 4096, 64): W8A8Tiles(
-        block_m=64, block_n=32, block_k=128, split=2, num_warps=4, num_stages=3, fused=False
+        block_m=64, block_n=32, block_k=128, split=1, num_warps=4, num_stages=8, fused=False
     ),
     ("fp8", 4096, 28672, 64): W8A8Tiles(
-        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=4, fused=False
+        block_m=64, block_n=64, block_k=256, split=1, num_warps=4, num_stages=3, fused=False
     ),
     ("fp8", 14336, 4096, 64): W8A8Tiles(
-        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=5, fused=False
+        block_m=64, block_n=32, block_k=256, split=2, num_warps=4, num_stages=4, fused=False
     ),
 }
 
