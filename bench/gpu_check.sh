@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -62,6 +62,34 @@ for step in "$@"; do
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
              --w8a8-kinds ${QUANT_W8A8_KINDS:-fp8 int8} --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
+    # The batch-1 decode GEMV (issue 22) in one call of ~9 minutes: its tests on CUDA (split tiles, each prefetch /
+    # stages way, unmasked, float32, the 8B's deepest layer at tiles of the sweep's grid), its tile sweep alone (W4 g128 and W8 per channel at the 8B's four shapes: the table's
+    # tiles unpipelined, prefetching 1 / 2 steps and in 3 stages, then candidates, beside bf16 and tl.dot; cut at
+    # QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B decode at batch 1, 16
+    # and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
+    quant-gemv) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "gemv or exact_in_float32" 2>&1 \
+             | tee $OUT/pytest-cuda-gemv.log | tail -2
+           timeout $((${QUANT_BUDGET:-240} + 90)) python3 -m bench.quant_gpu --no-layers --sweep gemv \
+             --budget ${QUANT_BUDGET:-240} --out $OUT/quant-gpu.jsonl 2>&1 | tail -30
+           for kind in bf16 w8a16 w4a16-g128; do
+             python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
+           done ;;
+    # Issue 22's fp8 W1 goal in one call: the W8A8 sweep for fp8 alone at 16 rows (timed at 1 and 16) and 64
+    # (the shipped table's tiles timed as "table", then bench.quant_gpu.w8a8_wide_candidates, then the grid),
+    # QUANT_BUDGET seconds (240 by default), then W1 once with --quantization fp8 on the shipped tables.
+    fp8-sweep-w1) timeout 330 python3 -m bench.quant_gpu --no-layers --sweep w8a8 --budget ${QUANT_BUDGET:-240} \
+             --w8a8-kinds fp8 --out $OUT/quant-gpu.jsonl 2>&1 | tail -40
+           python3 bench/gpu_check.py workload w1 --backend triton --quantization fp8 2>&1 | grep -E "RESULT|Error" | cut -c1-300 ;;
+    # Nsight Compute on the fp8 GEMM alone at 64 rows, the four 8B shapes with the shipped tiles (the second of two
+    # passes): DRAM / L2 throughput, occupancy and stalls per shape; the report as $OUT/fp8-ncu.ncu-rep, its
+    # details and raw metrics beside it.
+    fp8-ncu) ncu=${NCU:-/usr/local/cuda/bin/ncu}
+           $ncu -k regex:_scaled_gemm_kernel --launch-skip 4 --launch-count 4 --set full --import-source yes \
+             -f -o $OUT/fp8-ncu python3 -m bench.quant_gpu --w8a8-profile 64 2>&1 | tail -6
+           $ncu --import $OUT/fp8-ncu.ncu-rep --page details > $OUT/fp8-ncu-details.txt 2>&1
+           $ncu --import $OUT/fp8-ncu.ncu-rep --page raw --csv > $OUT/fp8-ncu-raw.csv 2>&1
+           grep -E "_scaled_gemm_kernel|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Block Limit (Reg|Shared)|Stall" \
+             $OUT/fp8-ncu-details.txt | head -80 ;;
     quant-decode) for kind in bf16 w8a16 w4a16-g128 fp8 w8a8-int8; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;

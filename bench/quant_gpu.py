@@ -7,6 +7,7 @@ batches, each checked against its reference first. One decoder layer's four matm
         [--w8a8-kinds fp8 int8]   (CUDA; results: bench-results naming)
     TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep mid --dry-run   (CPU: tiny shapes, no timing worth reading)
     TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep w8a8 --dry-run
+    TRITON_INTERPRET=1 python -m bench.quant_gpu --sweep gemv --dry-run
 
 --sweep times candidate tiles, each checked against its reference first, and prints the fastest as entries
 for engine/kernels/quant_tiles.py: `gemv` the W4A16 g128 / W8A16 decode GEMV per layer shape at batch 1 (and
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -83,47 +86,71 @@ def _time(call, rep: int = 50) -> float:
 
 
 def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
-    """The GEMV tiles the sweep tries: 32..256 outputs by 8..32 words a step, 4 or 8 warps, 2 to 8 words per
-    thread a step (fewer leave the loads too small; 16 spill registers on sm_90); K split 1..8 ways keeping
-    two steps per split and at most 6 programs per SM."""
+    """The GEMV tiles the sweep tries: 32..256 outputs by 8..64 words a step, 4 or 8 warps, 2 to 16 words per
+    thread a step (fewer leave the loads too small; 16 words, 32 more prefetched two steps ahead, take ~160
+    registers at one row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most
+    8 programs per SM; each prefetching two steps ahead into registers, through a 3-stage cp.async pipeline,
+    then one step ahead (the sweep times the table's tiles each way and unpipelined beside them). Likeliest
+    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
-    return [
+    grid = [
         GemvTiles(bn, bkw, split, nw)
         for bn in (32, 64, 128, 256)
-        for bkw in (8, 16, 32)
-        for split in (1, 2, 4, 8)
+        for bkw in (8, 16, 32, 64)
+        for split in (1, 2, 4, 8, 16)
         for nw in (4, 8)
-        if kw // split >= 2 * bkw and 2 <= bn * bkw // (32 * nw) <= 8 and -(-n // bn) * split <= 6 * num_sms
+        if kw // split >= 2 * bkw and 2 <= bn * bkw // (32 * nw) <= 16 and -(-n // bn) * split <= 8 * num_sms
     ]
 
+    def unlikeliness(t: GemvTiles) -> tuple[float, float]:
+        programs = -(-n // t.block_n) * t.split
+        return abs(math.log2(programs / (3 * num_sms))), abs(math.log2(t.block_n * t.block_kw / (32 * t.num_warps) / 8))
 
-def sweep_gemv(out: Path) -> None:
+    ways = ((2, 1), (0, 3), (1, 1))  # (prefetch, num_stages)
+    return [replace(t, prefetch=p, num_stages=s) for t in sorted(grid, key=unlikeliness) for p, s in ways]
+
+
+def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> None:
     """W4A16 g128 and W8A16 per-channel decode: per Llama-3-8B layer shape, the GEMV's default tiles and each
     candidate at batch 1 (each checked against the dequantized reference first) beside bf16 F.linear and the
     tl.dot kernel; then, with the best batch-1 tiles fitted to the rows, the GEMV against tl.dot at 2 and 4
-    rows (whether GEMV_MAX_M should be lower). Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py."""
-    from engine.kernels.quant_gemm import gemv_rows, gemv_tiles, mid_tiles, weight_only_matmul
+    rows (whether GEMV_MAX_M should be lower). Candidates past the shape's share of `budget_s` (the budget
+    over the (bits, shape) left) are skipped. Prints GEMV_TABLE entries for engine/kernels/quant_tiles.py.
+    A dry run (CPU, TRITON_INTERPRET=1) takes tiny shapes and the first candidates: it checks the sweep runs."""
+    from engine.kernels.quant_gemm import _num_sms, gemv_rows, gemv_tiles, mid_tiles, weight_only_matmul
     from engine.quant import pack_int32
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
+    sms = _num_sms(torch.device(device))
     entries = []
+    deadline, left = time.monotonic() + budget_s, 2 * len(shapes)
     for bits, group in ((4, 128), (8, -1)):
         totals = {"bf16": 0.0, "dot": 0.0, "default": 0.0, "best": 0.0}
-        for k, n in SHAPES:
-            w = torch.randn(n, k, device="cuda") * 0.02
+        for k, n in shapes:
+            stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
+            left -= 1
+            w = torch.randn(n, k, device=device) * 0.02
             iw = quantize_rtn(w, bits, group)
-            args = (pack_int32(iw.q, bits, 0), iw.scales.bfloat16(), iw.zeros.bfloat16(), bits, iw.group_size)
+            args = (pack_int32(iw.q, bits, 0), iw.scales.to(dtype), iw.zeros.to(dtype), bits, iw.group_size)
             nbytes = sum(t.numel() * t.element_size() for t in args[:3])
-            counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
-            wd = iw.dequantize().t().to(torch.bfloat16)
-            wb = w.bfloat16()
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+            wd = iw.dequantize().t().to(dtype)
+            wb = w.to(dtype)
+            x = torch.randn(1, k, device=device, dtype=dtype)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
+            # The table's tiles unpipelined, prefetching 1 and 2 steps ahead, and through 3 stages: what each gains.
+            ways = {"p0": (0, 1), "p1": (1, 1), "p2": (2, 1), "s3": (0, 3)}
+            ahead = {name: replace(default, prefetch=p, num_stages=s) for name, (p, s) in ways.items()}
+            candidates = gemv_candidates(bits, n, k, sms)
             timed = {}
-            for config in [default, *gemv_candidates(bits, n, k, sms)]:
+            for config in dict.fromkeys([default, *ahead.values(), *(candidates[:2] if dry_run else candidates)]):
+                if config != default and config not in ahead.values() and time.monotonic() > stop:
+                    break
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
@@ -136,17 +163,22 @@ def sweep_gemv(out: Path) -> None:
                 totals[key] += us
             row = {
                 "sweep": f"gemv-w{bits}", "k": k, "n": n, "bf16_us": round(bf16, 2), "dot_us": round(dot, 2),
-                "default": str(default), "default_us": round(timed[default], 2), "best": str(best),
+                "default": str(default), "default_us": round(timed[default], 2),
+                "ways_us": {name: round(timed[c], 2) for name, c in ahead.items()}, "tried": len(timed),
+                "best": str(best),
                 "best_us": round(timed[best], 2), "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), str(c)) for c in sorted(timed, key=timed.get)[:5]],
             }  # fmt: skip
             t = f"bn{best.block_n} kw{best.block_kw} s{best.split} w{best.num_warps}"
-            _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:22} {timed[best]:7.1f} us "
-                            f"{nbytes / timed[best] / 1e3:6.0f} GB/s | default {timed[default]:7.1f} | "
-                            f"tl.dot {dot:7.1f} | bf16 {bf16:7.1f}")  # fmt: skip
+            t += f" p{best.prefetch} st{best.num_stages}"
+            depths = " / ".join(f"{timed[c]:.1f}" for c in ahead.values())
+            _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:25} {timed[best]:7.1f} us "
+                            f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
+                            f"{timed[default]:7.1f}, p0/p1/p2/st3 {depths} | tl.dot {dot:7.1f} | "
+                            f"bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):
-                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                xm = torch.randn(m, k, device=device, dtype=dtype)
                 ref = F.linear(xm, wd).float()
                 rows = gemv_rows(best, m)
                 got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
@@ -314,6 +346,43 @@ def w8a8_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
     )
 
 
+def w8a8_wide_candidates(bm: int, n: int, k: int, num_sms: int = 132) -> list:
+    """Unfused tiles for a decode batch of bm rows (one program covers them all) that keep more weight in
+    flight per SM than the H200 table's 64-row qkv / o_proj tiles. Those (BLOCK_N 32; sm_90 SASS of Triton
+    3.6: wgmma with both operands in shared memory, cp.async 16-byte loads, the wgmma waited on every step for
+    the float32 promotion) spend two thirds of each stage on the 64 x 128 activation tile, leaving at most
+    8 KiB of weight a program in flight (3 stages: the loop waits for all but the next step's two cp.async
+    groups) at 1.5 to 2 programs per SM, and read the activations from L2 twice the weight's bytes. So:
+    BLOCK_N 128 or 256 with K split 2 to 8 ways for half a program to four per SM (activations read a quarter
+    to an eighth as often; float32 partials written and read instead), and BLOCK_N 32 / 64 with 6 or 8 stages
+    (the same reads, up to 7 steps of weight in flight); each within 200 KiB of shared memory. Ordered for a
+    sweep its budget cuts: wide and deep alternating, each kind nearest 1.5 programs per SM first (all in
+    flight at once: weight bytes in flight, not SM count, bound a latency-bound stream)."""
+    wide, deep = [], []
+    for bn in (128, 256):
+        for split in (2, 4, 8):
+            programs = -(-n // bn) * split
+            if k // (128 * split) < 2 or not num_sms // 2 <= programs <= 4 * num_sms:
+                continue
+            for nw, ns in ((4, 4), (8, 4), (8, 3)):
+                # 64 accumulators a thread at most: the fp8 promotion keeps a second set (BLOCK_N 256 on 4
+                # warps compiles to 255 registers and spills in the main loop).
+                if bm * bn // (32 * nw) <= 64 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    wide.append(W8A8Tiles(bm, bn, 128, split, nw, ns))
+    for bn in (32, 64):
+        for split in (1, 2):
+            for ns in (8, 6):
+                if k // (128 * split) >= 2 and ns * (bm + bn) * 128 <= 200 * 1024:
+                    deep.append(W8A8Tiles(bm, bn, 128, split, 4, ns))
+
+    def per_sm(t: W8A8Tiles) -> float:
+        return abs(-(-n // t.block_n) * t.split / num_sms - 1.5)
+
+    wide.sort(key=per_sm)  # stable: 4 warps before 8, more stages first, as listed
+    deep.sort(key=per_sm)
+    return [t for pair in itertools.zip_longest(wide, deep) for t in pair if t is not None]
+
+
 def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
     """The 8-bit GEMM as ScaledLinear launches it on bf16 activations (K a multiple of BLOCK_K, pointers and
     K-sized integers divisible by 16, as Triton specializes a launch at the 8B's shapes), compiled for `arch`
@@ -340,6 +409,35 @@ def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def compile_gemv(bits: int, tiles, k: int, n: int, group: int, m: int = 1, arch: int = 90):
+    """The decode GEMV as WeightOnlyLinear launches it on bf16 activations (no act order; ints of 1 and pointers
+    and multiples of 16 specialized as Triton specializes a launch at the 8B's shapes), compiled for `arch`
+    without a GPU (bench/quant_sass.loop_stats reads its main loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels.quant_gemm import _gemv_kernel, _split, gemv_scales
+
+    kw = k * bits // 32
+    span, split = _split(kw, tiles.block_kw, tiles.split)
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "perm_ptr": "*bf16",
+                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}  # fmt: skip
+    ints = {"M": m, "N": n, "KW": kw, "sxm": k, "sxk": 1, "span": span, "SPLIT": split}
+    constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
+        "BITS": bits, "GROUP": group, "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": tiles.block_n,
+        "BLOCK_KW": tiles.block_kw, "SCALES": gemv_scales(bits, k, group, span, tiles.block_kw),
+        "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages,
+        "EVEN": n % tiles.block_n == 0 and kw % tiles.block_kw == 0, "HAS_PERM": False,
+    }  # fmt: skip
+    signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    names = list(signature)
+    divisible = [names.index(x) for x in names if x.endswith("_ptr") or (x in ints and ints[x] % 16 == 0)]
+    src = ASTSource(_gemv_kernel, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.num_warps})
+
+
 def _time_graph(call) -> float:
     """Microseconds a call takes replayed from a CUDA graph (as a decode step runs it: no launch overhead
     beyond the graph's); off CUDA (a dry run) one call's wall time."""
@@ -348,6 +446,25 @@ def _time_graph(call) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(call, rep=20) * 1000
+
+
+# Bytes of weight copies a CUDA-graph timing cycles through: five times an H100's / H200's 50 MB L2. Replayed
+# back to back on one weight, the 8B's qkv (25 MB) and o_proj (17 MB) fp8 weights stay in L2 and a tile is
+# timed at L2 latency; in a decode step every layer's weight comes from HBM (the step reads gigabytes).
+COLD_BYTES = 256 << 20
+
+
+def _weight_copies(wq: torch.Tensor) -> list[torch.Tensor]:
+    """wq and copies of it, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
+    count = 1 if wq.device.type == "cpu" else max(1, -(-COLD_BYTES // (wq.numel() * wq.element_size())))
+    return [wq, *(wq.clone() for _ in range(count - 1))]
+
+
+def _cycling(call, weights: list[torch.Tensor]):
+    """call(wq=w) for the next weight of the list each time: a CUDA graph captured from it replays the launches
+    on the copies in turn, so each reads its weight from HBM as a decode step does."""
+    turn = itertools.count()
+    return lambda: call(wq=weights[next(turn) % len(weights)])
 
 
 def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -402,9 +519,10 @@ def _summed(timed: dict, config) -> float:
 def sweep_w8a8(
     out: Path, budget_s: float = 360.0, kinds: tuple[str, ...] = ("fp8", "int8"), dry_run: bool = False
 ) -> list[str]:
-    """The W8A8 8-bit GEMM at 1, 16 and 64 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
-    first: the rule's tiles (unfused and fused), main's unsplit tiles, then candidates (w8a8_candidates) until
-    the shape's share of `budget_s` (fp8 shares weigh twice int8's), each checked against its reference
+    """The W8A8 8-bit GEMM at 64, then 1 and 16 rows per Llama-3-8B decode shape (tiny shapes in a dry run), fp8
+    first: the rule's tiles (unfused and fused), the shipped table's, main's unsplit tiles (16 rows), the wide
+    and deep tiles (w8a8_wide_candidates; 64 rows), then candidates (w8a8_candidates) until the shape's share
+    of `budget_s` (fp8 shares weigh twice int8's, 64 rows twice 16), each checked against its reference
     (unfused: the per-row product; fused: block_scaled_matmul at its BLOCK_K; within 1%) with its counters
     left zeroed, then timed from a CUDA graph: unfused as quantize_rows + the GEMM, fused alone, beside
     quantize_rows + torch._scaled_mm (int8: + torch._int_mm, padded to 32 rows, and the scaling). The 16-row
@@ -412,15 +530,16 @@ def sweep_w8a8(
     layer's totals (the four matmuls), the rows at which the Triton GEMM wins (FP8_TRITON_MAX_M /
     INT8_TRITON_MAX_M), and W8A8_TABLE entries, which it prints and returns."""
     from engine.kernels.quant_gemm import _num_sms
-    from engine.kernels.w8a8 import w8a8_rule
+    from engine.kernels.w8a8 import w8a8_rule, w8a8_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(256, 96), (512, 64)] if dry_run else SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     sms = _num_sms(torch.device(device))
     deadline = time.monotonic() + budget_s
-    combos = [(kind, bm, k, n) for kind in kinds for bm in (16, 64) for k, n in shapes]
-    weights = [2 if kind == "fp8" else 1 for kind, *_ in combos]
+    combos = [(kind, bm, k, n) for kind in kinds for bm in (64, 16) for k, n in shapes]
+    # fp8 before int8 and 64 rows (the W1 decode batch, issue 22's fp8 goal) before 16, in order and in budget.
+    weights = [(2 if kind == "fp8" else 1) * (2 if bm == 64 else 1) for kind, bm, *_ in combos]
     entries, totals = [], {}
     for i, (kind, bm, k, n) in enumerate(combos):
         stop = time.monotonic() + max(0.0, deadline - time.monotonic()) * weights[i] / sum(weights[i:])
@@ -434,9 +553,14 @@ def sweep_w8a8(
         xs = {m: x.to(dtype) for m, x in xs.items()}
 
         run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
+        copies = _weight_copies(wq)
         rule = w8a8_rule(bm, bm, n, k, sms)
-        candidates = [rule, replace(rule, fused=True), *([MAIN_W8A8_TILES] if bm == 16 else [])]
-        candidates += [c for c in w8a8_candidates(bm, n, k, sms) if c not in candidates]
+        # The shipped table's tiles third (timed as "table"); at 64 rows the wide / deep candidates before the grid.
+        table = w8a8_tiles(kind, bm, n, k, sms)
+        candidates = [rule, replace(rule, fused=True), table, *([MAIN_W8A8_TILES] if bm == 16 else [])]
+        candidates += w8a8_wide_candidates(bm, n, k, sms) if bm == 64 else []
+        candidates += w8a8_candidates(bm, n, k, sms)
+        candidates = list(dict.fromkeys(candidates))
         timed, failed = {}, []
         for config in candidates[:3] if dry_run else candidates:
             if len(timed) >= 3 and time.monotonic() > stop:
@@ -451,7 +575,7 @@ def sweep_w8a8(
                 failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
                 print(f"{kind} K={k:5} N={n:5} bm={bm}  failed to compile or run: {config!r}: {failed[-1][1]}")
                 continue
-            timed[config] = {m: _time_graph(partial(run, config, xs[m])) for m in rows}
+            timed[config] = {m: _time_graph(_cycling(partial(run, config, xs[m]), copies)) for m in rows}
         if not timed:
             _emit(out, {"sweep": f"w8a8-{kind}", "k": k, "n": n, "block_m": bm, "failed": failed},
                   f"{kind} K={k:5} N={n:5} bm={bm}  every candidate tried failed")  # fmt: skip
@@ -462,8 +586,9 @@ def sweep_w8a8(
         by_kind = {f: min((c for c in timed if c.fused == f), key=total, default=None) for f in (False, True)}
         for m in rows:
             us = {
-                "torch": _time_graph(partial(_w8a8_torch, xs[m], wq, ws, dtype)),
+                "torch": _time_graph(_cycling(partial(_w8a8_torch, xs[m], ws=ws, dtype=dtype), copies)),
                 "rule": timed.get(rule, {}).get(m, float("nan")),
+                "table": timed.get(table, {}).get(m, float("nan")),
                 "main": timed.get(MAIN_W8A8_TILES, {}).get(m, float("nan")),
                 "unfused": timed[by_kind[False]][m] if by_kind[False] else float("nan"),
                 "fused": timed[by_kind[True]][m] if by_kind[True] else float("nan"),
@@ -484,7 +609,8 @@ def sweep_w8a8(
             torch_name = "_scaled_mm" if kind == "fp8" else "_int_mm"
             _emit(out, row, f"{kind} K={k:5} N={n:5} m={m:2}  best {t:30} {us['best']:7.1f} us "
                             f"{nbytes / us['best'] / 1e3:6.0f} GB/s ({len(timed)} tried) | unfused "
-                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | main's "
+                            f"{us['unfused']:7.1f} | fused {us['fused']:7.1f} | rule {us['rule']:7.1f} | table "
+                            f"{us['table']:7.1f} | main's "
                             f"{us['main']:7.1f} | "
                             f"quantize_rows+{torch_name} {us['torch']:7.1f}")  # fmt: skip
         entries.append(f"    ({kind!r}, {k}, {n}, {bm}): {best!r},")
@@ -493,8 +619,8 @@ def sweep_w8a8(
             f"{key}_us": round(v, 2) for key, v in tot.items()
         }
         _emit(out, summary, f"{kind} layer at m={m:2}: quantize_rows+torch {tot['torch']:.1f} us, rule "
-                            f"{tot['rule']:.1f}, main's tiles {tot['main']:.1f}, best unfused {tot['unfused']:.1f}, "
-                            f"best fused {tot['fused']:.1f}, "
+                            f"{tot['rule']:.1f}, table {tot['table']:.1f}, main's tiles {tot['main']:.1f}, "
+                            f"best unfused {tot['unfused']:.1f}, best fused {tot['fused']:.1f}, "
                             f"best {tot['best']:.1f} (torch / best = {tot['torch'] / tot['best']:.2f}x; shapes "
                             f"that failed count 0)")  # fmt: skip
     for kind in kinds:
@@ -508,6 +634,33 @@ def sweep_w8a8(
     return entries
 
 
+def profile_w8a8(m: int, kind: str = "fp8") -> None:
+    """The 8-bit GEMM alone (rows quantized beforehand) at m rows for the four 8B shapes with the tiles
+    w8a8_tiles picks, twice in that order: under Nsight Compute (gpu_check.sh `fp8-ncu`) the second pass,
+    `--launch-skip 4 --launch-count 4`, is the compiled kernels' steady state. Then each timed from a CUDA graph
+    on weight copies that do not fit in L2 (_cycling)."""
+    from engine.kernels.quant_gemm import _num_sms
+    from engine.kernels.w8a8 import quantize_rows, scaled_matmul, w8a8_tiles
+
+    qdtype = FP8 if kind == "fp8" else torch.int8
+    runs = []
+    for k, n in SHAPES:
+        wq, ws = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02, qdtype)
+        xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qdtype)
+        tiles = w8a8_tiles(kind, m, n, k, _num_sms(wq.device))
+        counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
+        ws = ws.reshape(1, -1).contiguous()
+        call = partial(scaled_matmul, xq, xs, b_scale=ws, out_dtype=torch.bfloat16, config=tiles, counters=counters)
+        runs.append((k, n, tiles, partial(call, b=wq), _cycling(lambda wq, call=call: call(b=wq), _weight_copies(wq))))
+    for _ in range(2):
+        for _, _, _, run, _ in runs:
+            run()
+    torch.cuda.synchronize()
+    for k, n, tiles, _, cold in runs:
+        us = _time_graph(cold)
+        print(f"{kind} K={k:5} N={n:5} m={m}: {tiles!r} {us:7.1f} us {n * k / us / 1e3:6.0f} GB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -519,7 +672,7 @@ def main() -> None:
         help="also time candidate tiles of the decode GEMV, the decode tl.dot kernel and / or the W8A8 kernels "
         "(gemv and w8a8 if none named: `mid` fills a device call of its own)",
     )
-    parser.add_argument("--budget", type=float, default=360.0, help="seconds the `mid` / `w8a8` sweep may take")
+    parser.add_argument("--budget", type=float, default=360.0, help="seconds each sweep named may take")
     parser.add_argument(
         "--w8a8-kinds", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"], help="what `w8a8` sweeps, in order"
     )
@@ -530,6 +683,12 @@ def main() -> None:
         "TRITON_INTERPRET=1 (checks the sweep runs; its times mean nothing)",
     )
     parser.add_argument("--no-layers", action="store_true", help="skip the per-layer table (sweep only)")
+    parser.add_argument(
+        "--w8a8-profile",
+        type=int,
+        metavar="ROWS",
+        help="only the fp8 GEMM at ROWS rows, the four shapes twice with the shipped tiles (for ncu), then timed",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.dry_run:
@@ -538,8 +697,13 @@ def main() -> None:
         for name in args.sweep or ["mid"]:
             if name == "w8a8":
                 sweep_w8a8(out, args.budget, tuple(args.w8a8_kinds), dry_run=True)
+            elif name == "gemv":
+                sweep_gemv(out, args.budget, dry_run=True)
             else:
                 sweep_mid(out, args.budget, dry_run=True)
+        return
+    if args.w8a8_profile:
+        profile_w8a8(args.w8a8_profile)
         return
     torch.manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for k, n in SHAPES]
@@ -580,7 +744,7 @@ def main() -> None:
     if args.sweep is not None:
         for name in args.sweep or ["gemv", "w8a8"]:
             {
-                "gemv": sweep_gemv,
+                "gemv": partial(sweep_gemv, budget_s=args.budget),
                 "mid": partial(sweep_mid, budget_s=args.budget),
                 "w8a8": partial(sweep_w8a8, budget_s=args.budget, kinds=tuple(args.w8a8_kinds)),
             }[name](out)

@@ -5,9 +5,9 @@ The weight is the layout engine/layers/linear.py WeightOnlyLinear keeps for ever
 [K * bits / 32, N], with per-group scales and zero points [ceil(K / group), N].
 
 Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
-- at most GEMV_MAX_M rows, a GEMV with no tl.dot: each program reads a BLOCK_N-wide slice of the packed words
-  over a range of K, coalesced along N, unpacks and converts them in registers, and accumulates in float32 for
-  every row at once.
+- at most GEMV_MAX_M[bits] rows (2 for 4-bit, 1 for 8-bit), a GEMV with no tl.dot: each program reads a
+  BLOCK_N-wide slice of the packed words over a range of K, coalesced along N, unpacks and converts them in
+  registers, and accumulates in float32 for every row at once.
 - up to MID_MAX_M rows (decode batches), a tl.dot kernel whose one program covers every row (BLOCK_M = the
   next power of two >= M, at least 16), so each weight tile is loaded and dequantized once whatever M is. The
   field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion) and
@@ -241,16 +241,55 @@ def _mid_kernel(
 
 
 @triton.jit
-def _row_products(x_ptr, row, offs_k, mask_kw, q, qx, xs):
-    """One row's share of a field: qx += q * x (per word row and output), xs += x."""
-    x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
-    return qx + q * x[:, None], xs + x
+def _gemv_step_loads(
+    qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, offs_n, mask_n,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """A step's packed words [BLOCK_KW, BLOCK_N] and, unless SCALES is 0 (applied once after the loop), its scales
+    and zeros in their stored dtype: one row of them (SCALES 1: the step lies in one group) or each word row's
+    own (2). A step at or past kw_end (the prefetch past a program's last step) loads nothing, or, EVEN (no
+    masks: N whole slices, K whole steps), the program's last step again (unused)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    if EVEN:
+        kw0 = tl.minimum(kw0, kw_end - BLOCK_KW)
+    offs_kw = kw0 + tl.arange(0, BLOCK_KW)
+    mask_kw = _gemv_mask(offs_kw, kw_end, EVEN)
+    words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
+    if SCALES == 1:
+        g = tl.minimum(kw0, kw_end - 1) * PER_WORD // GROUP  # past the end: the last step's (loaded, unused)
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)[None, :]
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0)[None, :]
+    elif SCALES == 2:
+        g = (offs_kw * PER_WORD // GROUP)[:, None] * N + offs_n[None, :]
+        gmask = mask_kw[:, None] & mask_n[None, :]
+        s = tl.load(s_ptr + g, mask=gmask, other=0.0)
+        z = tl.load(z_ptr + g, mask=gmask, other=0.0)
+    else:
+        s = tl.zeros((1, 1), dtype=s_ptr.dtype.element_ty)
+        z = tl.zeros((1, 1), dtype=z_ptr.dtype.element_ty)
+    return words, s, z
 
 
 @triton.jit
-def _gemv_out(out_ptr, part_ptr, acc, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr):
-    """Row r's sums over the word rows: to the output, or, when K is split, to its partial."""
-    total = tl.sum(acc, axis=0)
+def _gemv_mask(offs, end, EVEN: tl.constexpr):
+    """offs < end, or all true (a constant: the loads it guards compile unpredicated) when EVEN."""
+    if EVEN:
+        return tl.full(offs.shape, 1, tl.int1)
+    return offs < end
+
+
+@triton.jit
+def _row_products(x_ptr, row, offs_k, mask_kw, q, f: tl.constexpr, qx, xs):
+    """One row's share of a field q stored times 1 / f: qx += q * (x * f) = field * x exactly (f a power of two),
+    xs += x."""
+    x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
+    return qx + q * (x * f)[:, None], xs + x
+
+
+@triton.jit
+def _gemv_out(out_ptr, part_ptr, total, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M: tl.constexpr):
+    """Row r's sums [BLOCK_N]: to the output, or, when K is split, to its partial."""
     mask = mask_n & (tl.full(offs_n.shape, r, tl.int32) < M)
     if SPLIT == 1:
         tl.store(out_ptr + r * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -259,45 +298,79 @@ def _gemv_out(out_ptr, part_ptr, acc, r, pid_k, M, N, offs_n, mask_n, SPLIT, BLO
 
 
 @triton.jit
+def _gemv_total(acc, xt, s, z):
+    """A row's [BLOCK_N] result from its element-wise sums [BLOCK_KW, BLOCK_N] and sums of x [BLOCK_KW]:
+    s * (sum q x - z * sum x) (s 1 and z 0 where the loop applied them)."""
+    return s * (tl.sum(acc, axis=0) - z * tl.sum(xt, axis=0))
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
     M, N, KW, sxm, sxk, span, SPLIT,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr, SCALE_PER_STEP: tl.constexpr, HAS_PERM: tl.constexpr,
+    BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    EVEN: tl.constexpr, HAS_PERM: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
-    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once and takes
-    their fields one at a time; every sum stays [BLOCK_KW, BLOCK_N] element-wise in registers until the
-    end, so the loop has no cross-thread reduction. One accumulator per row (acc0..acc3): rows past M
-    re-read row M - 1 (no masking) and are never stored."""
+    rows s*span.. (span a multiple of BLOCK_KW). Each step loads [BLOCK_KW, BLOCK_N] words once (PREFETCH
+    steps ahead, 0 to 2: the words, scales and zeros of a later step are loaded in this one, so a warp's loads
+    stay in flight while it computes; the compiler issues them late in the step, after most of its arithmetic,
+    so one step ahead hides a part of the latency, two a whole step's; or STAGES > 1: Triton's pipeliner
+    copies words and scales STAGES - 1 steps ahead into shared memory, cp.async, at the cost of a barrier a
+    step) and takes their fields one at a time; every sum stays
+    [BLOCK_KW, BLOCK_N] element-wise in registers until the end, so the loop has no cross-thread reduction.
+    sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: scale and zero point cost per word
+    row and step (SCALES 1: the step lies in one group; 2: each word row its own group), or once after the
+    loop (SCALES 0: the program's whole span lies in one group, as per-channel weights). One accumulator per
+    row (acc0..acc3): rows past M re-read row M - 1 (no masking) and are never stored."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER_WORD // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    mask_n = _gemv_mask(offs_n, N, EVEN)
     row0, row1, row2, row3 = 0, tl.minimum(1, M - 1) * sxm, tl.minimum(2, M - 1) * sxm, tl.minimum(3, M - 1) * sxm
     acc0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
-    kw_end = tl.minimum((pid_k + 1) * span, KW)
-    for kw0 in range(pid_k * span, kw_end, BLOCK_KW):
+    # SCALES 0: sum_k x over the whole span, per row (the zero point's share, applied after the loop).
+    xt0 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+    xt1 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+    xt2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+    xt3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+    kw_start = pid_k * span
+    kw_end = tl.minimum(kw_start + span, KW)
+    if PREFETCH > 0:
+        words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start, kw_end, N, offs_n, mask_n,
+                                                 BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
+    if PREFETCH > 1:
+        words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start + BLOCK_KW, kw_end, N, offs_n,
+                                                    mask_n, BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
+    for kw0 in tl.range(kw_start, kw_end, BLOCK_KW, num_stages=STAGES):
+        if PREFETCH == 1:
+            cur, s, z = words, s_next, z_next
+            words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + BLOCK_KW, kw_end, N, offs_n,
+                                                     mask_n, BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
+        elif PREFETCH == 2:
+            cur, s, z = words, s_next, z_next
+            words, s_next, z_next = words2, s_next2, z_next2
+            words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + 2 * BLOCK_KW, kw_end, N,
+                                                        offs_n, mask_n, BITS, GROUP, BLOCK_KW, SCALES,
+                                                        EVEN)  # fmt: skip
+        else:
+            cur, s, z = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, offs_n, mask_n, BITS, GROUP,
+                                         BLOCK_KW, SCALES, EVEN)  # fmt: skip
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
-        mask_kw = offs_kw < kw_end
-        words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=mask_kw[:, None] & mask_n[None, :], other=0)  # fmt: skip
-        # sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: the scale and zero point
-        # cost per word row, not per weight. A group holds whole words (groups are multiples of 32 inputs).
-        if SCALE_PER_STEP:  # the step lies in one group: one row of scales and zeros
-            g = kw0 * PER_WORD // GROUP
-            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        else:  # groups shorter than a step: each word row's own
-            g = (offs_kw * PER_WORD // GROUP)[:, None] * N + offs_n[None, :]
-            gmask = mask_kw[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+        mask_kw = _gemv_mask(offs_kw, kw_end, EVEN)
+        # The fields as floats without an int-to-float conversion (a quarter-rate instruction): each half word
+        # ORed into the mantissa of 2**23 once; a field masked in place from it (one AND of a constant that
+        # keeps 2**23's bits), less 2**23, is the field times 2**(BITS * i) exactly, i its place in the half
+        # word. The row's x, times 2**-(BITS * i) (exact above 2**-114), makes each product the field's times x.
+        lo = (cur & 0xFFFF) | 0x4B000000
+        hi = ((cur >> 16) & 0xFFFF) | 0x4B000000
         qx0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         qx1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         qx2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
@@ -307,32 +380,59 @@ def _gemv_kernel(
         xs2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         xs3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         for j in tl.static_range(PER_WORD):
-            # The field as a float without an int-to-float conversion (a quarter-rate instruction that would
-            # bound the GEMV below the bandwidth of 4-bit weights): its bits ORed into the mantissa of 2**23,
-            # less 2**23, both exact.
-            q = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            if j < HALF:
+                src = lo
+            else:
+                src = hi
+            q = (src & (0x4B000000 | (((1 << BITS) - 1) << (BITS * (j % HALF))))).to(tl.float32, bitcast=True)
+            q -= 8388608.0
+            f = 1.0 / (1 << (BITS * (j % HALF)))
             offs_k = offs_kw * PER_WORD + j
             if HAS_PERM:
                 offs_k = tl.load(perm_ptr + offs_k, mask=mask_kw, other=0)
             offs_k = offs_k * sxk
-            qx0, xs0 = _row_products(x_ptr, row0, offs_k, mask_kw, q, qx0, xs0)
+            qx0, xs0 = _row_products(x_ptr, row0, offs_k, mask_kw, q, f, qx0, xs0)
             if BLOCK_M > 1:
-                qx1, xs1 = _row_products(x_ptr, row1, offs_k, mask_kw, q, qx1, xs1)
+                qx1, xs1 = _row_products(x_ptr, row1, offs_k, mask_kw, q, f, qx1, xs1)
             if BLOCK_M > 2:
-                qx2, xs2 = _row_products(x_ptr, row2, offs_k, mask_kw, q, qx2, xs2)
-                qx3, xs3 = _row_products(x_ptr, row3, offs_k, mask_kw, q, qx3, xs3)
-        acc0 += s * (qx0 - z * xs0[:, None])
-        if BLOCK_M > 1:
-            acc1 += s * (qx1 - z * xs1[:, None])
-        if BLOCK_M > 2:
-            acc2 += s * (qx2 - z * xs2[:, None])
-            acc3 += s * (qx3 - z * xs3[:, None])
-    _gemv_out(out_ptr, part_ptr, acc0, 0, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+                qx2, xs2 = _row_products(x_ptr, row2, offs_k, mask_kw, q, f, qx2, xs2)
+                qx3, xs3 = _row_products(x_ptr, row3, offs_k, mask_kw, q, f, qx3, xs3)
+        if SCALES == 0:
+            acc0 += qx0
+            xt0 += xs0
+            if BLOCK_M > 1:
+                acc1 += qx1
+                xt1 += xs1
+            if BLOCK_M > 2:
+                acc2 += qx2
+                xt2 += xs2
+                acc3 += qx3
+                xt3 += xs3
+        else:
+            s = s.to(tl.float32)
+            z = z.to(tl.float32)
+            acc0 += s * (qx0 - z * xs0[:, None])
+            if BLOCK_M > 1:
+                acc1 += s * (qx1 - z * xs1[:, None])
+            if BLOCK_M > 2:
+                acc2 += s * (qx2 - z * xs2[:, None])
+                acc3 += s * (qx3 - z * xs3[:, None])
+    if SCALES == 0:  # the span's one group
+        g = kw_start * PER_WORD // GROUP
+        s_end = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z_end = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    else:
+        s_end = tl.full((BLOCK_N,), 1.0, tl.float32)
+        z_end = tl.zeros((BLOCK_N,), tl.float32)
+    _gemv_out(out_ptr, part_ptr, _gemv_total(acc0, xt0, s_end, z_end), 0, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
     if BLOCK_M > 1:
-        _gemv_out(out_ptr, part_ptr, acc1, 1, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+        _gemv_out(out_ptr, part_ptr, _gemv_total(acc1, xt1, s_end, z_end), 1, pid_k, M, N, offs_n, mask_n, SPLIT,
+                  BLOCK_M)  # fmt: skip
     if BLOCK_M > 2:
-        _gemv_out(out_ptr, part_ptr, acc2, 2, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
-        _gemv_out(out_ptr, part_ptr, acc3, 3, pid_k, M, N, offs_n, mask_n, SPLIT, BLOCK_M)
+        _gemv_out(out_ptr, part_ptr, _gemv_total(acc2, xt2, s_end, z_end), 2, pid_k, M, N, offs_n, mask_n, SPLIT,
+                  BLOCK_M)  # fmt: skip
+        _gemv_out(out_ptr, part_ptr, _gemv_total(acc3, xt3, s_end, z_end), 3, pid_k, M, N, offs_n, mask_n, SPLIT,
+                  BLOCK_M)  # fmt: skip
     if SPLIT > 1:
         _split_k_reduce(out_ptr, part_ptr, count_ptr, pid_n, M, N, offs_n, mask_n, SPLIT, BLOCK_M, BLOCK_N,
                         part_ptr, part_ptr, False)  # fmt: skip
@@ -386,7 +486,7 @@ def weight_only_matmul(
     assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
         num_sms = _num_sms(x.device)
-        if 0 < m <= GEMV_MAX_M:
+        if 0 < m <= GEMV_MAX_M[bits]:
             config = gemv_tiles(bits, n, k, num_sms, m)
         elif m <= MID_MAX_M:
             config = mid_tiles(bits, m, n, k, group_size, num_sms)
@@ -457,6 +557,15 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     return out
 
 
+def gemv_scales(bits: int, k: int, group_size: int, span: int, block_kw: int) -> int:
+    """Where the GEMV applies scales and zero points (its SCALES): 0 once per program, where a program's span
+    of `span` words lies in one group (per-channel weights); 1 per step, where a step does; 2 per word row."""
+    per_word = 32 // bits
+    if k <= group_size or group_size % (span * per_word) == 0:
+        return 0
+    return 1 if group_size % (block_kw * per_word) == 0 else 2
+
+
 def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counters, perm) -> torch.Tensor:
     """One GEMV launch; the float32 partials of a split K go to a [split, BLOCK_M, N] buffer."""
     m, k = x.shape
@@ -470,11 +579,12 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
     if m == 0:  # nothing to launch (block_m would be 0); only explicit tiles get here with no rows
         return out
     part, counters = _split_buffers(split, block_m, n, slices, counters, x.device)
-    step_k = config.block_kw * 32 // bits
     _gemv_kernel[(slices, split)](
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
-        SCALE_PER_STEP=group_size % step_k == 0, HAS_PERM=perm is not None, num_warps=config.num_warps,
+        SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
+        STAGES=config.num_stages, EVEN=n % config.block_n == 0 and kw % config.block_kw == 0,
+        HAS_PERM=perm is not None, num_warps=config.num_warps,
     )  # fmt: skip
     return out

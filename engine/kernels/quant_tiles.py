@@ -55,12 +55,18 @@ class W8A8Tiles(Tiles):
 @dataclass(frozen=True)
 class GemvTiles:
     """One decode GEMV launch (no tl.dot): BLOCK_N outputs per program, `block_kw` packed int32 rows of the
-    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs."""
+    weight per loop step (block_kw * 32 / bits inputs), the K rows split over `split` programs. `prefetch`: how
+    many steps ahead (0 to 2) a step loads words and scales into registers, so loads stay in flight while a
+    warp computes (with neither this nor stages a warp waits a full memory latency every step); `num_stages`
+    above 1: Triton's pipeliner copies them num_stages - 1 steps ahead into shared memory instead (cp.async,
+    a barrier a step)."""
 
     block_n: int
     block_kw: int
     split: int
     num_warps: int = 4
+    prefetch: int = 2
+    num_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,25 +81,27 @@ class RowTiles:
 # 4 rows at most). Its arithmetic per weight is the unpacking and conversion (shared by the rows) plus one FMA
 # per row; an H100 streams ~25 int4 weights per SM cycle from HBM and issues 128 FP32/INT operations per SM
 # cycle, so a few rows turn it compute-bound, where tl.dot's tensor cores (16 rows whatever M is) win. The
-# H100 sweep (bench/results/2026-11-25-h100-be6e22a-quant-gemv-sweep.jsonl, the 8B's four decode matmuls):
-# at 2 rows the GEMV wins on all four for W4 and on three for W8 (N 28672: 93.9 us against tl.dot's 91.1)
-# (all four: W4 134 against 215 us, W8 191 against 250); at 4 rows tl.dot's total is lower (W4 216 against 220 us,
-# W8 210 against 224).
-GEMV_MAX_M = 2
+# H100 sweep of the GEMV that prefetches its loads (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl, the
+# 8B's four decode matmuls): at 2 rows the W4 GEMV still wins on all four (N 28672: 56.9 us against tl.dot's
+# 67.8; K 14336: 32.0 against 40.1), while tl.dot wins all four for W8 (the tiles tuned for one row hold twice
+# the prefetched words at two). So: bits -> the most rows the GEMV takes.
+GEMV_MAX_M: dict[int, int] = {4: 2, 8: 1}
 
-# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m).
+# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m):
+# `QUANT_BUDGET=180 bash bench/gpu_check.sh quant-gemv` (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl).
+# The four 8B matmuls of a layer at one row: W4 91.4 us against bf16's 205.0 (2.24x), W8 128.2 (1.60x).
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
-    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (4, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
-    (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
-    (8, 4096, 6144): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=32, split=4, num_warps=8),
-    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8),
-    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8),
+    (4, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=1),
+    (4, 4096, 4096): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=4, prefetch=1),
+    (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=4, prefetch=1),
+    (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=1),
+    (8, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=2),
+    (8, 4096, 4096): GemvTiles(block_n=32, block_kw=64, split=4, num_warps=4, prefetch=2),
+    (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8, prefetch=0, num_stages=3),
+    (8, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=2),
 }
 
-# W4A16 / W8A16 decode batches above GEMV_MAX_M and up to MID_MAX_M rows take the decode tl.dot kernel, larger
+# W4A16 / W8A16 decode batches above GEMV_MAX_M[bits] and up to MID_MAX_M rows take the decode tl.dot kernel, larger
 # ones the prompt kernel. At these sizes the product is bound by reading the weight (K * N * bits / 8 bytes),
 # as at one row, so one program covers every row and each weight tile is dequantized once.
 MID_MAX_M = 64
@@ -156,10 +164,15 @@ INT8_TRITON_MAX_M = 16
 FP8_TRITON_MAX_M = 64
 
 # ("int8" or "fp8", K, N, BLOCK_M) -> the 8-bit GEMM's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16), from the sweep above. Shapes not listed take w8a8.w8a8_rule.
+# rows, at least 16). Shapes not listed take w8a8.w8a8_rule. From the H100 sweep that times every launch on a
+# weight copy out of L2 (256 MiB of copies cycled; qkv's 25 MB and o_proj's 17 MB would otherwise stay in the
+# 50 MB L2): `QUANT_BUDGET=220 bash bench/gpu_check.sh fp8-sweep-w1`
+# (bench/results/2026-11-26-h100-4b86bf1-fp8-sweep-w1.jsonl). A layer's four GEMMs at 64 rows: 116.8 us against
+# 128.2 for the tiles swept with weights in L2 and 134.0 for quantize_rows + torch._scaled_mm; at 16 rows 105.1
+# against 107.9 / 134.5. The 64-row winners keep 6-8 stages in flight (or K 256 a step) at BLOCK_N 32 / 64.
 W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
     ("fp8", 4096, 6144, 16): W8A8Tiles(
-        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=False
+        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, fused=True
     ),
     ("fp8", 4096, 4096, 16): W8A8Tiles(
         block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=3, fused=True
@@ -168,19 +181,19 @@ W8A8_TABLE: dict[tuple[str, int, int, int], W8A8Tiles] = {
         block_m=16, block_n=128, block_k=256, split=1, num_warps=4, num_stages=3, fused=False
     ),
     ("fp8", 14336, 4096, 16): W8A8Tiles(
-        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=4, fused=True
+        block_m=16, block_n=128, block_k=128, split=8, num_warps=4, num_stages=3, fused=True
     ),
     ("fp8", 4096, 6144, 64): W8A8Tiles(
-        block_m=64, block_n=32, block_k=128, split=1, num_warps=8, num_stages=3, fused=False
+        block_m=64, block_n=64, block_k=128, split=1, num_warps=4, num_stages=8, fused=False
     ),
     ("fp8", 4096, 4096, 64): W8A8Tiles(
-        block_m=64, block_n=32, block_k=128, split=2, num_warps=4, num_stages=3, fused=False
+        block_m=64, block_n=32, block_k=128, split=1, num_warps=4, num_stages=8, fused=False
     ),
     ("fp8", 4096, 28672, 64): W8A8Tiles(
-        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=4, fused=False
+        block_m=64, block_n=64, block_k=256, split=1, num_warps=4, num_stages=3, fused=False
     ),
     ("fp8", 14336, 4096, 64): W8A8Tiles(
-        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=5, fused=False
+        block_m=64, block_n=32, block_k=256, split=2, num_warps=4, num_stages=4, fused=False
     ),
 }
 
