@@ -181,7 +181,12 @@ def summarize(rows: list[dict]) -> str:
     pagoda, vLLM with its own kernel choice and vLLM with Marlin, and pagoda over each."""
     tok_s: dict[tuple[str, str, int], float] = {}
     errors = {}
+    weights = {}  # (engine, kind) -> the weight memory its log reported (a check that vLLM quantized)
     for r in rows:
+        if r.get("mode") == "vllm-decode-log":
+            for line in r.get("lines", []):
+                if found := re.search(r"(?:Model loading took|weights) ([\d.]+) GiB", line):
+                    weights[(r["engine"], r["kind"])] = found[1]
         if r.get("mode") != "vllm-decode":
             continue
         if "error" in r:
@@ -205,6 +210,8 @@ def summarize(rows: list[dict]) -> str:
                 f"| {batch} | {kind} | {cell(p, '.1f')} | {cell(v, '.1f')} | {cell(m, '.1f')} | "
                 f"{cell(p / v if p and v else None, '.3f')} | {cell(p / m if p and m else None, '.3f')} |"
             )
+    if weights:
+        lines += ["", "Weight memory from the logs: " + ", ".join(f"{e} {k} {g} GiB" for (e, k), g in weights.items())]
     if errors:
         lines += ["", "Runs that failed:", *(f"- {e} {k}: {err}" for (e, k), err in errors.items())]
     return "\n".join(lines)
@@ -222,10 +229,28 @@ def run_all(args: argparse.Namespace) -> int:
                 shutil.rmtree(model, ignore_errors=True)
 
 
+# Every linear of a Llama decoder layer, as GPTQModel's `modules_in_block_to_quantize` names them.
+LLAMA_LINEARS = [
+    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+    ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"],
+]  # fmt: skip
+
+
 def model_dirs() -> dict[str, str]:
     """kind -> the model directory both engines load (bench/gpu_check.py _quant_model_dir: bench/configs/llama3-8b,
-    or a temporary copy with the kind's quantization_config)."""
-    return {kind: _quant_model_dir(recipe) for kind, (_, recipe) in KINDS.items()}
+    or a temporary copy with the kind's quantization_config). A GPTQ config also names the quantized modules:
+    without `modules_in_block_to_quantize`, vLLM 0.26's AutoGPTQ finds them from the dtypes in the checkpoint's
+    safetensors, and dummy weights have none, so it would leave every linear in bf16 (its "Model loading took
+    14.96 GiB" for a W4A16 8B, the bf16 size); pagoda reads the key's absence or presence alike."""
+    dirs = {}
+    for kind, (_, recipe) in KINDS.items():
+        dirs[kind] = path = _quant_model_dir(recipe)
+        config_path = Path(path) / "config.json"
+        config = json.loads(config_path.read_text())
+        if config.get("quantization_config", {}).get("quant_method") == "gptq":
+            config["quantization_config"]["modules_in_block_to_quantize"] = LLAMA_LINEARS
+            config_path.write_text(json.dumps(config))
+    return dirs
 
 
 def _run_each(args: argparse.Namespace, models: dict[str, str]) -> int:
