@@ -7,6 +7,7 @@ sequence's context through the paged cache (engine/attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -162,7 +163,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._params = dict(self.named_parameters())
+
+    @cached_property
+    def _params(self) -> dict[str, nn.Parameter]:
+        """Parameter by name, for load_weight: built at the first checkpoint tensor, dropped by the loader once
+        the checkpoint is in (it would keep the 16-bit weights of the linears a quantization replaced alive)."""
+        return dict(self.named_parameters())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T] ids and positions -> [T, hidden] final hidden states."""
