@@ -399,7 +399,6 @@ def test_quantized_load_never_holds_the_full_precision_linears(deep_llama_dir, t
     held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]  # K/V scales
     kept = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
     assert watch.live == kept  # what the load allocated and still holds is the model: the count sees it all
-    print(name, load_format, "peak", watch.peak, "kept", kept, "full-precision linears", linears)
     assert watch.peak - kept < linears / 2
 
 
@@ -428,6 +427,34 @@ def test_dummy_weights_of_a_quantized_config_are_quantized(tiny_model_dir, tmp_p
         groups = layer.weight.detach().reshape(layer.out_features, -1, 32)
         assert max(len(torch.unique(g)) for g in groups.reshape(-1, 32)[:64]) <= 16
         assert len(torch.unique(layer.weight)) > 16
+
+
+@pytest.mark.parametrize("name", ["gptq-w4g128", "ct-w8a8-fp8", None])  # None: --quantization int8
+def test_dummy_quantized_layers_round_the_full_precision_dummy_weights(tiny_model_dir, tmp_path, name):
+    """A dummy load of a quantized config makes each quantized linear's random weight only as it quantizes it, yet
+    from the same seed: every layer is the scheme's rounding of the weight a full-precision dummy load holds."""
+    import shutil
+
+    from bench.quant_checkpoints import _quantization_config
+    from engine.loader import load_model
+
+    shutil.copy(tiny_model_dir("llama") / "config.json", tmp_path / "config.json")
+    if name is not None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        cfg["quantization_config"] = _quantization_config(dataclasses.replace(RECIPES[name], group_size=32))
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    quantization = None if name else "int8"
+    model, hf_config = load_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", quantization=quantization)
+    full, _ = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"), "dummy")
+    scheme = detect_scheme(hf_config, tmp_path, quantization)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    for layer in ["layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj", "layers.1.mlp.down_proj"]:
+        weight = full.get_submodule(layer).weight
+        expected = scheme.make_linear([scheme.tensors_of(weight.detach())], None, torch.float32)
+        got = model.get_submodule(layer)
+        assert type(got) is type(expected)
+        assert torch.equal(got(x[:, : weight.shape[1]]), expected(x[:, : weight.shape[1]]))
+    assert torch.equal(model.lm_head.weight, full.lm_head.weight) and torch.equal(model.norm.weight, full.norm.weight)
 
 
 def test_corrupted_quantized_checkpoint_fails_at_load(quantized_dirs, tmp_path):
