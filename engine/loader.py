@@ -178,7 +178,6 @@ def load_model(
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
     if load_format == "dummy":
-        # quantize_linears quantizes every linear but the LM head of a dummy model, from a random weight.
         keep = set() if scheme is None else {n for n, m in model.named_modules() if _quantized_at_dummy(n, m)}
         _materialize(model, device, keep)
         deferred = _init_dummy(model, seed)
@@ -194,13 +193,14 @@ def load_model(
         marked = _marked_modules(files, scheme)
         _materialize(model, device, {_model_module(model, m) for m in marked})
         _load_safetensors(model, Path(model_dir), files, marked, device, scheme)
-    # load_weight's name -> parameter map still holds the 16-bit weights of every linear quantize_linears
-    # replaced (12 GiB of a W4A16 Llama-3-8B): drop it with the load.
+    # load_weight's name -> parameter map still holds the 16-bit weights of every linear a load-time scheme
+    # (fp8, int8) replaced, and the meta ones of a checkpoint's quantized linears: drop it with the load.
     vars(model).pop("_params", None)
     return model.eval(), hf_config
 
 
 def _quantized_at_dummy(name: str, module: nn.Module) -> bool:
+    """Whether quantize_linears quantizes this module of a dummy model (every linear but the LM head)."""
     return isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head"
 
 
