@@ -98,12 +98,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-class _NoRandomInit(torch.overrides.TorchFunctionMode):
-    """Parameters built inside it keep whatever memory they were given: the random fills of torch.nn.init
-    (nn.Linear's kaiming_uniform_, nn.Embedding's normal_) are skipped. load_model overwrites every parameter
-    afterwards, from the checkpoint (a tensor it lacks is an error) or by _init_dummy, so the fills were
-    wasted: on the CPU they were a fifth of the default model's start-up. A TorchFunctionMode is scoped to
-    this thread and this block; buffers (the rotary tables) are computed, not filled, and stay as built."""
+class _DeferredParameters(torch.overrides.TorchFunctionMode):
+    """Modules built inside it get their torch.empty tensors (nn.Linear's and nn.Embedding's parameters; not
+    size-0 ones) on the meta device, and none of torch.nn.init's random fills: load_model overwrites every
+    parameter afterwards, from the checkpoint (a tensor it lacks is an error) or by _init_dummy, so neither
+    their memory's contents nor the fills (a fifth of the default model's start-up on the CPU) mattered.
+    `_materialize` then gives each deferred parameter its memory on the device, except the weights of the
+    linears a quantized checkpoint replaces, which never get a full-precision copy. Buffers (the rotary
+    tables) and tensors made by other factories (torch.ones, torch.arange) are computed as usual. A
+    TorchFunctionMode is scoped to this thread and this block."""
 
     _FILLS = {torch.Tensor.uniform_, torch.Tensor.normal_}
     # torch.nn.init's random initializers (its constant ones, ones_ / zeros_ / constant_, still run).
@@ -111,12 +114,38 @@ class _NoRandomInit(torch.overrides.TorchFunctionMode):
                      "xavier_normal_", "orthogonal_", "sparse_"}  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         # The initializers come here whole (torch.nn.init's functions dispatch to the mode themselves, and
         # what they call inside this handler does not come back to it), or as the bare in-place fills.
         init = getattr(func, "__module__", None) == "torch.nn.init" and func.__name__ in self._RANDOM_INITS
         if init or func in self._FILLS:
             return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
+        if func is torch.empty:  # uninitialized memory: nothing is lost if it is allocated later, or never
+            deferred = func(*args, **{**kwargs, "device": "meta"})
+            if deferred.numel():  # a size-0 placeholder (an Attention's unbound K/V cache) stays as asked
+                return deferred
+        return func(*args, **kwargs)
+
+
+def _materialize(model: nn.Module, device: torch.device, keep: set[str]) -> None:
+    """Give every parameter still on the meta device uninitialized memory on `device`, except the weights of
+    the modules named in `keep` (their quantized replacement comes later). A parameter shared by two modules
+    (the LM head tied to the embedding) stays shared."""
+    made: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                if name == "weight" and module_name in keep:
+                    continue
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+            module._parameters[name] = made[id(param)]
+    for module_name, module in model.named_modules():
+        # A buffer or tensor attribute made from a deferred torch.empty would have lost what was written into it.
+        tensors = [*module._buffers.values(), *(t for t in vars(module).values() if isinstance(t, torch.Tensor))]
+        if any(t is not None and t.is_meta for t in tensors):
+            raise RuntimeError(f"{module_name or type(model).__name__} holds a tensor built from torch.empty")
 
 
 def load_model(
@@ -131,10 +160,12 @@ def load_model(
     """The model on `device` in `dtype`, its layers calling `backend` (default: the torch reference),
     and its HF config.
 
-    Parameters are allocated on the device first, then each checkpoint tensor is read from its
-    memory-mapped file straight to the device and copied in, so the host never holds the model.
-    A quantized checkpoint (or `quantization`, EngineConfig's) swaps its linears for the scheme's
-    modules (engine/quant) once the tensors are read.
+    The modules are built with their parameters deferred (`_DeferredParameters`), then given memory on the
+    device, and each checkpoint tensor is read from its memory-mapped file straight to the device and copied
+    in, so the host never holds the model. A quantized checkpoint (or `quantization`, EngineConfig's) swaps
+    its linears for the scheme's modules (engine/quant) once the tensors are read; the linears whose packed
+    tensors the checkpoint holds never get a full-precision weight, nor do a dummy load's quantized linears
+    (each made from its random weight in turn), so the load peaks near the quantized model's size.
     """
     hf_config = read_hf_config(model_dir)
     scheme = detect_scheme(hf_config, model_dir, quantization)
@@ -142,20 +173,59 @@ def load_model(
         log.info("quantization: %s", scheme.describe())
     try:
         cls = model_class(hf_config)
-        with _default_dtype(dtype), torch.device(device), _NoRandomInit():
+        with _default_dtype(dtype), torch.device(device), _DeferredParameters():
             model = cls(hf_config, backend)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        keep = set() if scheme is None else {n for n, m in model.named_modules() if _quantized_at_dummy(n, m)}
+        _materialize(model, device, keep)
+        deferred = _init_dummy(model, seed)
         if scheme is not None:
-            quantize_linears(model, scheme, {}, dummy=True)
+
+            def dummy_weight(name: str) -> torch.Tensor:  # made as its layer is quantized, dropped after
+                like = model.get_submodule(name).weight
+                return _random(torch.empty_like(like, device=device), deferred[f"{name}.weight"])
+
+            quantize_linears(model, scheme, {}, dummy_weight=dummy_weight)
     else:
-        _load_safetensors(model, Path(model_dir), device, scheme)
-    # load_weight's name -> parameter map still holds the 16-bit weights of every linear quantize_linears
-    # replaced (12 GiB of a W4A16 Llama-3-8B): drop it with the load.
+        files = checkpoint_files(Path(model_dir))
+        marked = _marked_modules(files, scheme)
+        _materialize(model, device, {_model_module(model, m) for m in marked})
+        _load_safetensors(model, Path(model_dir), files, marked, device, scheme)
+    # load_weight's name -> parameter map still holds the 16-bit weights of every linear a load-time scheme
+    # (fp8, int8) replaced, and the meta ones of a checkpoint's quantized linears: drop it with the load.
     vars(model).pop("_params", None)
     return model.eval(), hf_config
+
+
+def _quantized_at_dummy(name: str, module: nn.Module) -> bool:
+    """Whether quantize_linears quantizes this module of a dummy model (every linear but the LM head)."""
+    return isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head"
+
+
+def _marked_modules(files: list[Path], scheme: QuantScheme | None) -> set[str]:
+    """The checkpoint names of the modules that carry the scheme's marker tensor (their tensors are the
+    scheme's packed ones, not a full-precision weight); read from the files' headers only."""
+    marked: set[str] = set()
+    if scheme is None or scheme.marker is None:
+        return marked
+    suffix = f".{scheme.marker}"
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                marked.update(n.removesuffix(suffix) for n in f.keys() if n.endswith(suffix))
+        except Exception as exc:  # a truncated file, a garbage header
+            raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
+    return marked
+
+
+def _model_module(model: nn.Module, checkpoint_module: str) -> str:
+    """The model's name of a checkpoint's module: a fused layer's for its shards (q_proj -> qkv_proj). A fused
+    layer whose shards are marked is deferred whole; quantize_linears refuses it if a shard is not marked."""
+    parent, _, last = checkpoint_module.removeprefix("model.").rpartition(".")
+    fused = getattr(model, "packed", {}).get(last)
+    return f"{parent}.{fused[0]}" if fused and parent else checkpoint_module.removeprefix("model.")
 
 
 # A checkpoint's fp8 KV-cache scales (compressed-tensors' kv_cache_scheme, as llm-compressor writes them).
@@ -178,21 +248,19 @@ def _load_kv_scale(model: nn.Module, name: str, f, file: Path) -> bool:
     return True
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device, scheme: QuantScheme | None) -> None:
-    files = checkpoint_files(model_dir)
+def _load_safetensors(
+    model: nn.Module,
+    model_dir: Path,
+    files: list[Path],
+    marked: set[str],
+    device: torch.device,
+    scheme: QuantScheme | None,
+) -> None:
+    """Read `files` into the model; the tensors of the `marked` modules (checkpoint names) go to the scheme."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     # Checkpoint module name -> its quantized tensors, for the layers the scheme's marker tensor marks.
     quantized: dict[str, dict[str, torch.Tensor]] = {}
-    marked: set[str] = set()
-    if scheme is not None and scheme.marker is not None:
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    suffix = f".{scheme.marker}"
-                    marked.update(n.removesuffix(suffix) for n in f.keys() if n.endswith(suffix))
-            except Exception as exc:  # a truncated file, a garbage header
-                raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
     with torch.no_grad():
         for file in files:
             try:
@@ -278,13 +346,24 @@ def _expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights with sane scales (norms at 1), the same for a given seed on a given device."""
+def _init_dummy(model: nn.Module, seed: int) -> dict[str, int]:
+    """Random weights with sane scales (norms at 1), the same for a given seed on a given device. Parameters
+    still on the meta device (the linears a quantized config replaces) are left to quantize_linears, which
+    makes each in turn from the seed returned for it by name: the values a full-precision load would hold."""
+    deferred: dict[str, int] = {}
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            gen = torch.Generator(device=param.device).manual_seed(seed)
-            seed += 1
-            if name.endswith("norm.weight"):
+            if param.is_meta:
+                deferred[name] = seed
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.normal_(0.0, 0.02, generator=gen)
+                _random(param, seed)
+            seed += 1
+    return deferred
+
+
+def _random(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """`tensor` filled in place with a dummy weight's random values for `seed`."""
+    with torch.no_grad():
+        return tensor.normal_(0.0, 0.02, generator=torch.Generator(device=tensor.device).manual_seed(seed))

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from bench.quant_checkpoints import LINEARS, RECIPES, write
 from engine.layers.linear import FP8, ScaledLinear, quantize_per_row
@@ -335,6 +338,70 @@ def test_quantized_linears_leave_no_16_bit_weight_behind(tiny_model_dir, monkeyp
     assert len(replaced) > 4 and alive == {id(model.lm_head.weight)}  # the LM head is not quantized
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that torch ops allocate while it is on, still alive, and their peak. A storage
+    counts from the op that made it (a factory, or an op's fresh output) until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.counted.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage()._cdata not in self.counted:
+                storage = t.untyped_storage()  # torch keeps one Python object per storage: freed with it
+                self.counted.add(storage._cdata)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        return out
+
+
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory):
+    """A Llama of 8 tiny layers and a 64-token vocabulary: its linears are nearly all of its weights, so that
+    reading the embedding is not the largest thing a load holds for a while."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("deep_llama")
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": 64, "num_hidden_layers": 8})).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, load_format",
+    [("gptq-w4g128", "auto"), ("awq-w4g128", "auto"), ("ct-w8a8-int8", "auto"), ("ct-w8a8-int8", "dummy")],
+)
+def test_quantized_load_never_holds_the_full_precision_linears(deep_llama_dir, tmp_path, name, load_format):
+    """Loading a quantized checkpoint allocates no full-precision weight for the linears it quantizes (a 32B GPTQ
+    model's 65 GB of bf16 weights would not let its 18 GB of packed ones load on an 80 GB GPU), nor does a dummy
+    load of a quantized config.json hold them all at once: the bytes the load holds at its peak exceed what the
+    loaded model keeps by less than half those linears' full-precision size (one layer's at a time). On the CPU
+    a weight-only layer is dequantized, so its final weight counts in what the model keeps."""
+    from engine.loader import load_model
+
+    recipe = dataclasses.replace(RECIPES[name], group_size=min(RECIPES[name].group_size, 32))
+    qdir = write(deep_llama_dir, tmp_path, recipe)
+    full, _ = load_model(qdir / "reference", torch.float32, torch.device("cpu"))
+    linears = sum(m.weight.nbytes for n, m in full.named_modules() if type(m) is torch.nn.Linear and n != "lm_head")
+    with _LiveBytes() as watch:
+        model, _ = load_model(qdir, torch.float32, torch.device("cpu"), load_format=load_format)
+    held = [*model.parameters(), *model.buffers()]
+    held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]  # K/V scales
+    kept = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
+    assert watch.live == kept  # what the load allocated and still holds is the model: the count sees it all
+    assert watch.peak - kept < linears / 2
+
+
 @pytest.mark.parametrize("name", ["gptq-w4g128", "awq-w4g128", "ct-w4a16-g128", "ct-w8a8-int8", "ct-w8a8-fp8-static"])
 def test_dummy_weights_of_a_quantized_config_are_quantized(tiny_model_dir, tmp_path, name):
     """load_format="dummy" with a quantized config.json (benchmarks at shapes with no checkpoint at hand):
@@ -360,6 +427,34 @@ def test_dummy_weights_of_a_quantized_config_are_quantized(tiny_model_dir, tmp_p
         groups = layer.weight.detach().reshape(layer.out_features, -1, 32)
         assert max(len(torch.unique(g)) for g in groups.reshape(-1, 32)[:64]) <= 16
         assert len(torch.unique(layer.weight)) > 16
+
+
+@pytest.mark.parametrize("name", ["gptq-w4g128", "ct-w8a8-fp8", None])  # None: --quantization int8
+def test_dummy_quantized_layers_round_the_full_precision_dummy_weights(tiny_model_dir, tmp_path, name):
+    """A dummy load of a quantized config makes each quantized linear's random weight only as it quantizes it, yet
+    from the same seed: every layer is the scheme's rounding of the weight a full-precision dummy load holds."""
+    import shutil
+
+    from bench.quant_checkpoints import _quantization_config
+    from engine.loader import load_model
+
+    shutil.copy(tiny_model_dir("llama") / "config.json", tmp_path / "config.json")
+    if name is not None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        cfg["quantization_config"] = _quantization_config(dataclasses.replace(RECIPES[name], group_size=32))
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    quantization = None if name else "int8"
+    model, hf_config = load_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", quantization=quantization)
+    full, _ = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"), "dummy")
+    scheme = detect_scheme(hf_config, tmp_path, quantization)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    for layer in ["layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj", "layers.1.mlp.down_proj"]:
+        weight = full.get_submodule(layer).weight
+        expected = scheme.make_linear([scheme.tensors_of(weight.detach())], None, torch.float32)
+        got = model.get_submodule(layer)
+        assert type(got) is type(expected)
+        assert torch.equal(got(x[:, : weight.shape[1]]), expected(x[:, : weight.shape[1]]))
+    assert torch.equal(model.lm_head.weight, full.lm_head.weight) and torch.equal(model.norm.weight, full.norm.weight)
 
 
 def test_corrupted_quantized_checkpoint_fails_at_load(quantized_dirs, tmp_path):

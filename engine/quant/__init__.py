@@ -14,6 +14,7 @@ whatever the packing, and one kernel serves GPTQ, AWQ and compressed-tensors ali
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,26 +227,32 @@ def fused_shards(model: nn.Module) -> dict[str, list[str]]:
 
 
 def quantize_linears(
-    model: nn.Module, scheme: QuantScheme, tensors: dict[str, dict[str, torch.Tensor]], dummy: bool = False
+    model: nn.Module,
+    scheme: QuantScheme,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    dummy_weight: Callable[[str], torch.Tensor] | None = None,
 ) -> int:
     """Replace the model's quantized nn.Linear layers by the scheme's modules; returns how many.
 
     `tensors`: checkpoint module name (without "model.") -> its quantized tensors, consumed here. A
     checkpoint scheme quantizes the layers whose tensors it has (others keep their loaded weights: the
-    LM head and `ignore`d layers); a load-time scheme, or any scheme over `dummy` (random) weights,
-    quantizes every linear but the LM head from its loaded weight (`QuantScheme.tensors_of`)."""
+    LM head and `ignore`d layers); a load-time scheme quantizes every linear but the LM head from its loaded
+    weight (`QuantScheme.tensors_of`). `dummy_weight` (load_format="dummy"): any scheme quantizes every linear
+    but the LM head from the full-precision weight it gives for the linear's name, made one layer at a time
+    (the linears' own weights were never allocated)."""
     shards_of = fused_shards(model)
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
+        prefix = f"{parent_name}." if parent_name else ""
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if scheme.marker is None or dummy:
+            if scheme.marker is None or dummy_weight is not None:
                 if child_name == "lm_head":
                     continue
-                shards = [scheme.tensors_of(child.weight.detach())]  # a fused layer as one shard
+                weight = child.weight if dummy_weight is None else dummy_weight(prefix + child_name)
+                shards = [scheme.tensors_of(weight.detach())]  # a fused layer as one shard
             else:
-                prefix = f"{parent_name}." if parent_name else ""
                 parts = [prefix + p for p in shards_of.get(child_name, [child_name])]
                 present = [p for p in parts if p in tensors]
                 if not present:
