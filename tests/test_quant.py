@@ -700,7 +700,8 @@ def test_w8a8_gemm_compiles_for_sm90_with_vector_loads_and_tensor_cores():
 @pytest.mark.slow
 def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     """The GEMV at GEMV_TABLE's tiles (the 8B's four shapes, W4 g128 and W8 per channel, one row) compiles for
-    sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread, the main
+    sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread (16-byte
+    cp.async copies where the tiles pipeline through shared memory, num_stages > 1), the main
     loop spills nothing, extracts no field with a shift and bit-field extract (SGXT) and issues few
     instructions per weight and thread: with Triton 3.6 / 3.9, 5.0 / 5.3 at 64 outputs and 4 bits (6.4 when
     each field took a shift, an SGXT and an OR), 6.3 / 6.7 at 32; 6.4 / 6.7 and 7.1 / 7.3 at 8 bits (7.2 and
@@ -712,7 +713,9 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
         "    kernel = compile_gemv(bits, t, k, n, 128 if bits == 4 else k)\n"
         "    count, ops = loop_stats(kernel)\n"
         "    per = count / (t.block_n * t.block_kw * 32 / bits / (32 * t.num_warps))\n"
-        "    v2, v4 = (kernel.asm['ptx'].count(f'ld.global.v{w}.b32') for w in (2, 4))\n"
+        "    ptx = kernel.asm['ptx']\n"
+        "    v2, v4 = (ptx.count(f'ld.global.v{w}.b32') for w in (2, 4))\n"
+        "    v4 += sum('cp.async.cg.shared.global' in line and '0x10' in line for line in ptx.splitlines())\n"
         "    print(bits, t.block_n, per, ops['SGXT'], ops['STL'], v2, v4)\n"
     )
     stdout = _compile_for_sm90(code)
