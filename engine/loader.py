@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models import model_class
-from engine.quant import QuantScheme, detect_scheme, quantize_linears
+from engine.quant import QuantScheme, detect_scheme, quantize_linears, replaced_at_load
 
 log = logging.getLogger("pagoda.loader")
 
@@ -178,7 +178,7 @@ def load_model(
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
     if load_format == "dummy":
-        keep = set() if scheme is None else {n for n, m in model.named_modules() if _quantized_at_dummy(n, m)}
+        keep = set() if scheme is None else {n for n, m in model.named_modules() if replaced_at_load(n, m)}
         _materialize(model, device, keep)
         deferred = _init_dummy(model, seed)
         if scheme is not None:
@@ -191,17 +191,9 @@ def load_model(
     else:
         files = checkpoint_files(Path(model_dir))
         marked = _marked_modules(files, scheme)
-        _materialize(model, device, {_model_module(model, m) for m in marked})
+        _materialize(model, device, {_model_name(model, m) for m in marked})
         _load_safetensors(model, Path(model_dir), files, marked, device, scheme)
-    # load_weight's name -> parameter map still holds the 16-bit weights of every linear a load-time scheme
-    # (fp8, int8) replaced, and the meta ones of a checkpoint's quantized linears: drop it with the load.
-    vars(model).pop("_params", None)
     return model.eval(), hf_config
-
-
-def _quantized_at_dummy(name: str, module: nn.Module) -> bool:
-    """Whether quantize_linears quantizes this module of a dummy model (every linear but the LM head)."""
-    return isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head"
 
 
 def _marked_modules(files: list[Path], scheme: QuantScheme | None) -> set[str]:
@@ -220,12 +212,14 @@ def _marked_modules(files: list[Path], scheme: QuantScheme | None) -> set[str]:
     return marked
 
 
-def _model_module(model: nn.Module, checkpoint_module: str) -> str:
-    """The model's name of a checkpoint's module: a fused layer's for its shards (q_proj -> qkv_proj). A fused
-    layer whose shards are marked is deferred whole; quantize_linears refuses it if a shard is not marked."""
-    parent, _, last = checkpoint_module.removeprefix("model.").rpartition(".")
-    fused = getattr(model, "packed", {}).get(last)
-    return f"{parent}.{fused[0]}" if fused and parent else checkpoint_module.removeprefix("model.")
+def _model_name(model: nn.Module, checkpoint_name: str) -> str:
+    """A checkpoint tensor's or module's name as the model names it: without "model.", and a fused layer's for
+    its shards (layers.0.self_attn.q_proj -> layers.0.self_attn.qkv_proj)."""
+    name = checkpoint_name.removeprefix("model.")
+    for part, (fused, _) in getattr(model, "packed", {}).items():
+        if f".{part}." in f"{name}.":
+            return f"{name}.".replace(f".{part}.", f".{fused}.")[:-1]
+    return name
 
 
 # A checkpoint's fp8 KV-cache scales (compressed-tensors' kv_cache_scheme, as llm-compressor writes them).
@@ -276,7 +270,7 @@ def _load_safetensors(
                             continue
                         tensor = f.get_tensor(name)
                         _check_dtype(file, name, tensor, model, params)
-                        if model.load_weight(name, tensor):
+                        if model.load_weight(name, tensor, params):
                             loaded.add(name)
             except ModelLoadError:
                 raise
@@ -323,11 +317,7 @@ def _check_dtype(
 ) -> None:
     """A float parameter needs float weights: an integer or bool tensor in its place is a corrupt checkpoint.
     (Only kinds are compared: a checkpoint in another float width is cast on copy.)"""
-    short = name.removeprefix("model.")
-    for part, (fused, _) in model.packed.items():
-        if f".{part}." in short:
-            short = short.replace(part, fused)
-    param = params.get(short)
+    param = params.get(_model_name(model, name))
     if param is not None and param.is_floating_point() and not tensor.is_floating_point():
         raise ModelLoadError(file, f"tensor {name!r} is {tensor.dtype}, but the model's weights are floats")
 

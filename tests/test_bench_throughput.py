@@ -183,7 +183,8 @@ def test_transformers_dummy_weights_are_pagodas(tiny_model_dir, arch):
     expected, _ = load_model(model_dir, torch.float32, torch.device("cpu"), "dummy", seed=7)
     # Load the transformers tensors through pagoda's own checkpoint path into a model drawn with another seed.
     loaded, _ = load_model(model_dir, torch.float32, torch.device("cpu"), "dummy", seed=99)
+    params = dict(loaded.named_parameters())
     for name, tensor in hf.state_dict().items():
-        loaded.load_weight(name, tensor)
+        loaded.load_weight(name, tensor, params)
     for name, param in expected.named_parameters():
         assert torch.equal(param, dict(loaded.named_parameters())[name]), name

@@ -7,7 +7,6 @@ sequence's context through the paged cache (engine/attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import nn
@@ -164,12 +163,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @cached_property
-    def _params(self) -> dict[str, nn.Parameter]:
-        """Parameter by name, for load_weight: built at the first checkpoint tensor, dropped by the loader once
-        the checkpoint is in (it would keep the 16-bit weights of the linears a quantization replaced alive)."""
-        return dict(self.named_parameters())
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T] ids and positions -> [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
@@ -185,14 +178,15 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one checkpoint tensor into its (possibly fused) parameter; False if unused."""
+    def load_weight(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> bool:
+        """Copy one checkpoint tensor into its (possibly fused) parameter in `params` (the model's
+        named_parameters, which the loader holds for the load only: kept on the model, the map would keep the
+        16-bit weights of the linears a quantization replaces alive); False if unused."""
         name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name:
             return False
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return False
-        params = self._params
         for part, (fused, index) in self.packed.items():
             if f".{part}." in name:
                 param = params[name.replace(part, fused)]

@@ -226,6 +226,12 @@ def fused_shards(model: nn.Module) -> dict[str, list[str]]:
     return {fused: [p for _, p in sorted(parts)] for fused, parts in out.items()}
 
 
+def replaced_at_load(name: str, module: nn.Module) -> bool:
+    """Whether a load-time scheme, or any scheme over dummy weights, replaces this module (its name in the
+    model): every nn.Linear but the LM head."""
+    return isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head"
+
+
 def quantize_linears(
     model: nn.Module,
     scheme: QuantScheme,
@@ -248,7 +254,7 @@ def quantize_linears(
             if not isinstance(child, nn.Linear):
                 continue
             if scheme.marker is None or dummy_weight is not None:
-                if child_name == "lm_head":
+                if not replaced_at_load(prefix + child_name, child):
                     continue
                 weight = child.weight if dummy_weight is None else dummy_weight(prefix + child_name)
                 shards = [scheme.tensors_of(weight.detach())]  # a fused layer as one shard
