@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.models import model_class
-from engine.quant import QuantScheme, detect_scheme, quantize_linears, replaced_at_load
+from engine.quant import QuantScheme, detect_scheme, quantize_linears, replace_linear, replaced_at_load
 
 log = logging.getLogger("pagoda.loader")
 
@@ -164,8 +164,9 @@ def load_model(
     device, and each checkpoint tensor is read from its memory-mapped file straight to the device and copied
     in, so the host never holds the model. A quantized checkpoint (or `quantization`, EngineConfig's) swaps
     its linears for the scheme's modules (engine/quant) once the tensors are read; the linears whose packed
-    tensors the checkpoint holds never get a full-precision weight, nor do a dummy load's quantized linears
-    (each made from its random weight in turn), so the load peaks near the quantized model's size.
+    tensors the checkpoint holds never get a full-precision weight, a dummy load's quantized linears are made
+    from their random weights one at a time, and a load-time scheme (fp8, int8) quantizes each linear as soon as
+    the checkpoint has filled it, so the load peaks near the quantized model's size.
     """
     hf_config = read_hf_config(model_dir)
     scheme = detect_scheme(hf_config, model_dir, quantization)
@@ -177,9 +178,9 @@ def load_model(
             model = cls(hf_config, backend)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # values the model code cannot build from
         raise ModelLoadError(Path(model_dir) / "config.json", f"cannot build the model: {exc}") from None
+    at_load = set() if scheme is None else {n for n, m in model.named_modules() if replaced_at_load(n, m)}
     if load_format == "dummy":
-        keep = set() if scheme is None else {n for n, m in model.named_modules() if replaced_at_load(n, m)}
-        _materialize(model, device, keep)
+        _materialize(model, device, at_load)
         deferred = _init_dummy(model, seed)
         if scheme is not None:
 
@@ -191,7 +192,9 @@ def load_model(
     else:
         files = checkpoint_files(Path(model_dir))
         marked = _marked_modules(files, scheme)
-        _materialize(model, device, {_model_name(model, m) for m in marked})
+        # A load-time scheme's linears get their full-precision weight one at a time, as the checkpoint fills them.
+        later = at_load if scheme is not None and scheme.marker is None else {_model_name(model, m) for m in marked}
+        _materialize(model, device, later)
         _load_safetensors(model, Path(model_dir), files, marked, device, scheme)
     return model.eval(), hf_config
 
@@ -252,6 +255,8 @@ def _load_safetensors(
 ) -> None:
     """Read `files` into the model; the tensors of the `marked` modules (checkpoint names) go to the scheme."""
     params = dict(model.named_parameters())
+    expected = _expected_checkpoint_names(model)  # before any linear is replaced (a quantized one has no weight)
+    at_load = _QuantizeAsLoaded(model, scheme, params, device) if scheme is not None and scheme.marker is None else None
     loaded: set[str] = set()
     # Checkpoint module name -> its quantized tensors, for the layers the scheme's marker tensor marks.
     quantized: dict[str, dict[str, torch.Tensor]] = {}
@@ -270,8 +275,12 @@ def _load_safetensors(
                             continue
                         tensor = f.get_tensor(name)
                         _check_dtype(file, name, tensor, model, params)
+                        if at_load is not None:
+                            at_load.allocate(name)
                         if model.load_weight(name, tensor, params):
                             loaded.add(name)
+                            if at_load is not None:
+                                at_load.filled(name)
             except ModelLoadError:
                 raise
             except KeyError as exc:  # load_weight: a tensor the architecture has no place for
@@ -284,14 +293,58 @@ def _load_safetensors(
                 raise ModelLoadError(file, f"not a readable safetensors file ({first_line(exc)})") from None
         # A quantized layer's weight is its packed tensors (whatever module replaces it).
         in_place_of_weights = {f"{module}.weight" for module in quantized}
-        if scheme is not None:
-            quantize_linears(model, scheme, quantized)
-    expected = _expected_checkpoint_names(model) - in_place_of_weights
-    missing = expected - {n.removeprefix("model.") for n in loaded}
+        if scheme is not None and scheme.marker is not None:
+            quantize_linears(model, scheme, quantized)  # its error names a fused layer's missing packed shard
+    missing = expected - in_place_of_weights - {n.removeprefix("model.") for n in loaded}
     if missing:
         raise ModelLoadError(
             model_dir, f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}"
         )
+
+
+class _QuantizeAsLoaded:
+    """A load-time scheme (`--quantization fp8 / int8`) quantizes each linear as soon as the checkpoint has
+    filled it: the linear's full-precision weight gets memory at its first tensor and is freed once the scheme's
+    module replaces it, so the load never holds more than a few layers' full-precision linears (a 70B bf16
+    checkpoint served in fp8 needs 70 GB, not 140). The weights stay deferred until then (`_materialize`)."""
+
+    def __init__(self, model: nn.Module, scheme: QuantScheme, params: dict[str, nn.Parameter], device: torch.device):
+        self.model, self.scheme, self.params, self.device = model, scheme, params, device
+        # Module (model name) -> the checkpoint names of its tensors (weight and bias, a fused layer's shards)
+        # not yet read.
+        self.pending: dict[str, set[str]] = {}
+        for name, module in model.named_modules():
+            if replaced_at_load(name, module):
+                for param in ("weight", "bias"):
+                    if getattr(module, param) is not None:
+                        self.pending.setdefault(name, set()).update(_checkpoint_names(model, f"{name}.{param}"))
+
+    def allocate(self, name: str) -> None:
+        """Give the deferred weight that checkpoint tensor `name` fills its memory (once)."""
+        target = _model_name(self.model, name)
+        param = self.params.get(target)
+        if param is not None and param.is_meta:
+            module_name, _, attr = target.rpartition(".")
+            made = nn.Parameter(torch.empty_like(param, device=self.device), param.requires_grad)
+            self.model.get_submodule(module_name)._parameters[attr] = made
+            self.params[target] = made
+
+    def filled(self, name: str) -> None:
+        """Checkpoint tensor `name` has been copied in: quantize its linear once all of its tensors have."""
+        module_name = _model_name(self.model, name).rpartition(".")[0]
+        pending = self.pending.get(module_name)
+        if pending is None:
+            return
+        pending.discard(name.removeprefix("model."))
+        if pending:
+            return
+        del self.pending[module_name]
+        parent_name, _, child_name = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name)
+        weight = getattr(parent, child_name).weight.detach()
+        replace_linear(parent, child_name, self.scheme, [self.scheme.tensors_of(weight)])  # a fused layer as one shard
+        for param in ("weight", "bias"):  # the map must not keep the full-precision weight alive
+            self.params.pop(f"{module_name}.{param}", None)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -328,12 +381,14 @@ def first_line(exc: BaseException) -> str:
 
 
 def _expected_checkpoint_names(model: nn.Module) -> set[str]:
-    """Parameter names as a HF checkpoint spells them (fused projections split back)."""
-    names = set()
-    for name, _ in model.named_parameters():
-        parts = [name.replace(fused, part) for part, (fused, _) in model.packed.items() if f".{fused}." in name]
-        names.update(parts or [name])
-    return names
+    """Parameter names as a HF checkpoint spells them (fused projections split back), without "model."."""
+    return {part for name, _ in model.named_parameters() for part in _checkpoint_names(model, name)}
+
+
+def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint names (without "model.") of the tensors that fill parameter `name`: a fused one's shards."""
+    parts = [name.replace(fused, part) for part, (fused, _) in model.packed.items() if f".{fused}." in name]
+    return parts or [name]
 
 
 def _init_dummy(model: nn.Module, seed: int) -> dict[str, int]:

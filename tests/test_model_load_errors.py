@@ -112,15 +112,16 @@ def _wrong_dtype(path: Path) -> Path:
     return shard
 
 
-def _missing_tensor(path: Path) -> Path:
-    name = "model.layers.1.post_attention_layernorm.weight"
-    shard = _shard_of(path, name)
-    _rewrite(shard, lambda t: t.pop(name))
-    index = path / "model.safetensors.index.json"
-    data = json.loads(index.read_text())
-    del data["weight_map"][name]
-    index.write_text(json.dumps(data))
-    return path
+def _missing(name: str):
+    def corrupt(path: Path) -> Path:
+        _rewrite(_shard_of(path, name), lambda t: t.pop(name))
+        index = path / "model.safetensors.index.json"
+        data = json.loads(index.read_text())
+        del data["weight_map"][name]
+        index.write_text(json.dumps(data))
+        return path
+
+    return corrupt
 
 
 def _config_contradicts(path: Path) -> Path:
@@ -172,7 +173,8 @@ CORRUPTIONS = {
     "fused shape contradicts config": (_wrong_fused_shape, "shape"),
     "config contradicts shapes": (_config_contradicts, "shape"),
     "integer weights": (_wrong_dtype, "int32"),
-    "missing tensor": (_missing_tensor, "lacks 1 tensors"),
+    "missing tensor": (_missing("model.layers.1.post_attention_layernorm.weight"), "lacks 1 tensors"),
+    "missing shard of a fused linear": (_missing("model.layers.1.self_attn.k_proj.weight"), "k_proj.weight"),
     "config lacks a size": (_config_missing_key, "hidden_size"),
     "invalid config.json": (_invalid_json("config.json"), "invalid JSON"),
     "invalid generation_config.json": (_invalid_json("generation_config.json"), "invalid JSON"),
@@ -253,3 +255,18 @@ def test_building_the_model_runs_no_random_initializer(tiny_model_dir):
     assert torch.equal(model.norm.weight, checkpoint["model.norm.weight"])
     down = model.layers[1].mlp.down_proj.weight
     assert torch.equal(down, checkpoint["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int8"])
+@pytest.mark.parametrize(
+    "case", ["missing tensor", "missing shard of a fused linear", "fused shape contradicts config", "integer weights"]
+)
+def test_corruption_under_load_time_quantization(model_copy, case, quantization):
+    """`--quantization fp8 / int8` quantizes each linear as the checkpoint fills it: a tensor missing, of the
+    wrong shape or of the wrong kind is still refused by name, never quantized from unfilled memory."""
+    corrupt, problem = CORRUPTIONS[case]
+    culprit = corrupt(model_copy)
+    with pytest.raises(ModelLoadError) as info:
+        _load(model_copy, quantization=quantization)
+    message = str(info.value)
+    assert message.startswith(str(culprit)) and problem in message, message

@@ -313,31 +313,6 @@ def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, qu
     assert type(quant.lm_head) is torch.nn.Linear  # the LM head stays full precision
 
 
-@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
-def test_quantized_linears_leave_no_16_bit_weight_behind(tiny_model_dir, monkeypatch, load_format):
-    """Once loaded, nothing holds the full-precision weight of a linear the quantization replaced (a name ->
-    parameter map kept for loading did: 12 GiB of a W4A16 Llama-3-8B's memory, taken from the KV cache)."""
-    import gc
-    import weakref
-
-    import engine.loader as loader
-
-    replaced = []
-    quantize_linears = loader.quantize_linears
-
-    def watched(model, *args, **kwargs):
-        replaced.extend(weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear)
-        return quantize_linears(model, *args, **kwargs)
-
-    monkeypatch.setattr(loader, "quantize_linears", watched)
-    model, _ = loader.load_model(
-        tiny_model_dir("llama"), torch.float32, torch.device("cpu"), load_format=load_format, quantization="int8"
-    )
-    gc.collect()
-    alive = {id(ref()) for ref in replaced if ref() is not None}
-    assert len(replaced) > 4 and alive == {id(model.lm_head.weight)}  # the LM head is not quantized
-
-
 class _LiveBytes(TorchDispatchMode):
     """The bytes of the storages that torch ops allocate while it is on, still alive, and their peak. A storage
     counts from the op that made it (a factory, or an op's fresh output) until it is freed."""
@@ -379,22 +354,31 @@ def deep_llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "name, load_format",
-    [("gptq-w4g128", "auto"), ("awq-w4g128", "auto"), ("ct-w8a8-int8", "auto"), ("ct-w8a8-int8", "dummy")],
-)
+    [("gptq-w4g128", "auto"), ("awq-w4g128", "auto"), ("ct-w8a8-int8", "auto"), ("ct-w8a8-int8", "dummy"),
+     ("fp8", "auto"), ("int8", "auto"), ("int8", "dummy")],
+)  # fmt: skip
 def test_quantized_load_never_holds_the_full_precision_linears(deep_llama_dir, tmp_path, name, load_format):
     """Loading a quantized checkpoint allocates no full-precision weight for the linears it quantizes (a 32B GPTQ
-    model's 65 GB of bf16 weights would not let its 18 GB of packed ones load on an 80 GB GPU), nor does a dummy
-    load of a quantized config.json hold them all at once: the bytes the load holds at its peak exceed what the
-    loaded model keeps by less than half those linears' full-precision size (one layer's at a time). On the CPU
-    a weight-only layer is dequantized, so its final weight counts in what the model keeps."""
+    model's 65 GB of bf16 weights would not let its 18 GB of packed ones load on an 80 GB GPU); a dummy load of a
+    quantized config.json, and `--quantization fp8 / int8` on a full-precision checkpoint (a 70B bf16 model
+    served in fp8 on one 141 GB GPU), hold them one layer at a time: the bytes the load holds at its peak exceed
+    what the loaded model keeps by less than half those linears' full-precision size. Once loaded, nothing but
+    the model is alive (a name -> parameter map kept for loading held 12 GiB of a W4A16 Llama-3-8B's replaced
+    16-bit weights). On the CPU a weight-only layer is dequantized, so its final weight counts in what the model
+    keeps."""
     from engine.loader import load_model
 
-    recipe = dataclasses.replace(RECIPES[name], group_size=min(RECIPES[name].group_size, 32))
-    qdir = write(deep_llama_dir, tmp_path, recipe)
-    full, _ = load_model(qdir / "reference", torch.float32, torch.device("cpu"))
+    if name in ("fp8", "int8"):  # quantized at load from the full-precision checkpoint
+        qdir, quantization = deep_llama_dir, name
+    else:
+        recipe = dataclasses.replace(RECIPES[name], group_size=min(RECIPES[name].group_size, 32))
+        qdir, quantization = write(deep_llama_dir, tmp_path, recipe), None
+    full, _ = load_model(deep_llama_dir, torch.float32, torch.device("cpu"))
     linears = sum(m.weight.nbytes for n, m in full.named_modules() if type(m) is torch.nn.Linear and n != "lm_head")
     with _LiveBytes() as watch:
-        model, _ = load_model(qdir, torch.float32, torch.device("cpu"), load_format=load_format)
+        model, _ = load_model(
+            qdir, torch.float32, torch.device("cpu"), load_format=load_format, quantization=quantization
+        )
     held = [*model.parameters(), *model.buffers()]
     held += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]  # K/V scales
     kept = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())

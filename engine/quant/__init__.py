@@ -232,6 +232,15 @@ def replaced_at_load(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head"
 
 
+def replace_linear(
+    parent: nn.Module, child_name: str, scheme: QuantScheme, shards: list[dict[str, torch.Tensor]]
+) -> None:
+    """Put the scheme's module made from `shards` in place of the nn.Linear `parent.child_name` (its bias kept)."""
+    child = getattr(parent, child_name)
+    bias = None if child.bias is None else child.bias.detach()
+    setattr(parent, child_name, scheme.make_linear(shards, bias, child.weight.dtype))
+
+
 def quantize_linears(
     model: nn.Module,
     scheme: QuantScheme,
@@ -267,8 +276,7 @@ def quantize_linears(
                     missing = sorted(set(parts) - set(present))
                     raise ValueError(f"checkpoint has quantized {present[0]} but not {missing[0]} beside it")
                 shards = [tensors.pop(p) for p in parts]
-            bias = None if child.bias is None else child.bias.detach()
-            setattr(parent, child_name, scheme.make_linear(shards, bias, child.weight.dtype))
+            replace_linear(parent, child_name, scheme, shards)
             replaced += 1
     if tensors:
         left = sorted(tensors)
