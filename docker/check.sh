@@ -21,8 +21,11 @@
 # Grafana's image cannot be fetched here: tests/test_docker.py checks its provisioning and dashboard
 # against the metrics a live server exports (in the default test tier).
 #
-# Containers, compose volumes and networks it makes are removed on exit; the images and their
-# layers stay (KEEP_IMAGES=1, the default) so the next run rebuilds from cache.
+# Containers, compose volumes and networks it makes are removed on exit, and so are dangling images (the
+# images a rebuild left untagged, and the build stages no tagged image stands on): each run would otherwise
+# leave gigabytes on a disk shared with everything else. The tagged images stay (KEEP_IMAGES=1, the
+# default), each build's dependency stage tagged beside its image (IMAGE-deps), so the next run rebuilds
+# from their cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -69,9 +72,10 @@ cleanup() {
     podman rm -f -v -t 5 "$NAME" "$NAME-cuda" >/dev/null 2>&1
     [ -n "${COMPOSE:-}" ] && compose down -v -t 5 >/dev/null 2>&1
     if [ "$KEEP_IMAGES" = 0 ]; then
-        podman rmi -f "$IMAGE" "$PROM_IMAGE" "$CUDA_IMAGE" "$STANDIN_IMAGE" "$STANDIN_BASE" >/dev/null 2>&1
-        podman image prune -f >/dev/null 2>&1
+        podman rmi -f "$IMAGE" "$IMAGE-deps" "$PROM_IMAGE" "$CUDA_IMAGE" "$STANDIN_IMAGE" "$STANDIN_IMAGE-deps" \
+            "$STANDIN_BASE" >/dev/null 2>&1
     fi
+    podman image prune -f >/dev/null 2>&1
     rm -rf "$OUT"
 }
 trap cleanup EXIT
@@ -93,6 +97,9 @@ wait_for() {
 }
 
 echo "podman: $(podman --version)   host: $(nproc) cores"
+# Free disk where podman keeps its images: a full disk fails a build midway ("no space left on device")
+free_gb=$(df -P --block-size=1G "$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /)" | awk 'NR == 2 {print $4}')
+result INFO disk "${free_gb:-?} GB free for images (the builds need about 10)"
 for tool in podman "$PY"; do
     command -v "$tool" >/dev/null || { result FAIL prerequisites "$tool not found"; summary; }
 done
@@ -123,8 +130,9 @@ if [ -n "$TORCH_INDEX_URL" ] && ! "$PY" -c "import urllib.request as u; u.urlope
     TORCH_INDEX_URL=
 fi
 start=$SECONDS
-if podman build --network host -f Dockerfile.cpu --build-arg PYTHON_IMAGE="$BASE" \
-    --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" -t "$IMAGE" . >"$OUT/build.log" 2>&1; then
+cpu_args=(--network host -f Dockerfile.cpu --build-arg PYTHON_IMAGE="$BASE" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL")
+if podman build "${cpu_args[@]}" -t "$IMAGE" . >"$OUT/build.log" 2>&1; then
+    podman build "${cpu_args[@]}" --target deps -t "$IMAGE-deps" . >>"$OUT/build.log" 2>&1  # from cache: a tag
     size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
     result PASS "cpu build" "$IMAGE in $((SECONDS - start)) s ($(grep -c '^--> Using cache' "$OUT/build.log") steps from cache), $((size / 1000000)) MB"
     podman history --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" | cut -c1-150 | head -n 16
@@ -228,6 +236,8 @@ elif podman build --network host -f "$OUT/standin.Dockerfile" --build-arg BASE="
     >"$OUT/standin.log" 2>&1 &&
     podman build --network host -f Dockerfile --build-arg PYTORCH_IMAGE="$STANDIN_BASE" -t "$STANDIN_IMAGE" . \
         >>"$OUT/standin.log" 2>&1; then
+    podman build --network host -f Dockerfile --build-arg PYTORCH_IMAGE="$STANDIN_BASE" --target deps \
+        -t "$STANDIN_IMAGE-deps" . >>"$OUT/standin.log" 2>&1
     size=$(podman image inspect --format '{{.Size}}' "$STANDIN_IMAGE")
     built="Dockerfile on $STANDIN_BASE built in $((SECONDS - start)) s ($((size / 1000000)) MB)"
     podman run -d --name "$NAME-cuda" -p "127.0.0.1:$((PORT + 3)):8000" -e PAGODA_ARGS="--served-model-name smol" \
