@@ -956,15 +956,16 @@ QUANT_KINDS = {
 }
 
 
-def _quant_model_dir(recipe: str | None) -> str:
-    """The Llama-3-8B config, with the recipe's quantization_config when it names one (a temporary copy)."""
+def _quant_model_dir(recipe: str | None, base: str = LLAMA_8B) -> str:
+    """The `base` config (Llama-3-8B's), with the recipe's quantization_config when it names one (a temporary
+    copy)."""
     import tempfile
 
     from bench.quant_checkpoints import RECIPES, _quantization_config
 
     if recipe is None:
-        return LLAMA_8B
-    cfg = json.loads((Path(LLAMA_8B) / "config.json").read_text())
+        return base
+    cfg = json.loads((Path(base) / "config.json").read_text())
     cfg["quantization_config"] = _quantization_config(RECIPES[recipe])
     out = Path(tempfile.mkdtemp(prefix=f"llama3-8b-{recipe}-"))
     (out / "config.json").write_text(json.dumps(cfg))
@@ -1240,6 +1241,89 @@ def mode_decode_ncu(args) -> None:
     print("keys", int(seq_lens.sum()))
 
 
+def write_random_checkpoint(config: dict, path: Path, device: str, seed: int = 0) -> None:
+    """A bf16 safetensors checkpoint of a Llama config with random weights, named as transformers names them
+    (made on `device` a tensor at a time, so no host holds the model)."""
+    from safetensors.torch import save_file
+
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter)}  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    names = list(shapes)
+    for i, name in enumerate(names):  # shards of about 512 MiB, and the index transformers reads them by
+        shard[name] = (torch.randn(shapes[name], generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+        if i == len(names) - 1 or sum(t.nbytes for t in shard.values()) > 2**29:
+            file = f"model-{i:05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(shard, file)
+            shard = {}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def mode_load_memory(args) -> None:
+    """The device memory a load peaks at and keeps, Llama-3-8B shape: dummy weights for each QUANT_KINDS kind
+    (a quantized config's linears made one layer at a time), then a random bf16 checkpoint of its first
+    --load-layers layers read in bf16 and with `--quantization fp8 / int8` (quantized as the checkpoint fills
+    each linear). One row per load: peak and kept GiB, and the linears' bf16 GiB for scale."""
+    import gc
+    import shutil
+    import tempfile
+
+    from engine.loader import load_model
+
+    device = torch.device(args.load_device)
+
+    def measure(model_dir: str, load_format: str, quantization: str | None) -> dict:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        model, _ = load_model(model_dir, torch.bfloat16, device, load_format=load_format, quantization=quantization)
+        if device.type == "cuda":
+            peak, kept = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
+        else:  # the CPU: what the model holds (a smoke run of the mode; no allocator peak to read)
+            peak = kept = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+        del model
+        return {
+            "peak_gib": round(peak / 2**30, 3),
+            "kept_gib": round(kept / 2**30, 3),
+            "peak_bytes": peak,
+            "kept_bytes": kept,
+        }
+
+    base = args.load_model or LLAMA_8B
+    config = json.loads((Path(base) / "config.json").read_text())
+    for kind, (quantization, recipe) in QUANT_KINDS.items():
+        row = measure(_quant_model_dir(recipe, base), "dummy", quantization)
+        emit(args, {"mode": "load-memory", "load": "dummy", "kind": kind, "layers": config["num_hidden_layers"], **row})
+    config["num_hidden_layers"] = min(args.load_layers, config["num_hidden_layers"])
+    ckpt = Path(tempfile.mkdtemp(prefix="load-memory-"))
+    try:
+        write_random_checkpoint(config, ckpt, args.load_device)
+        for quantization in (None, "fp8", "int8"):
+            row = measure(str(ckpt), "auto", quantization)
+            emit(args, {"mode": "load-memory", "load": "checkpoint", "kind": quantization or "bf16",
+                        "layers": config["num_hidden_layers"], **row})  # fmt: skip
+    finally:
+        shutil.rmtree(ckpt)
+
+
 def mode_quant_profile(args) -> None:
     """Kernel time by name over 10 decode steps of Llama-3-8B (dummy weights) at batch 1 and 64 (128-token
     prompts) for each --kinds kind (default bf16 and fp8): where a quantized decode step's time goes."""
@@ -1479,6 +1563,7 @@ def main() -> None:
             "verify",
             "decode-ncu",
             "quant-profile",
+            "load-memory",
         ],
     )
     parser.add_argument("name", nargs="?", default="w1", choices=["w1", "w2"])
@@ -1510,6 +1595,9 @@ def main() -> None:
     parser.add_argument("--verify-context", type=int, default=1024, help="verify mode: prompt tokens per sequence")
     parser.add_argument("--verify-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="verify mode: batches")
     parser.add_argument("--verify-steps", type=int, default=40, help="verify mode: timed steps of each kind")
+    parser.add_argument("--load-model", default=None, help="load-memory mode: HF directory (default Llama-3-8B shape)")
+    parser.add_argument("--load-layers", type=int, default=8, help="load-memory mode: layers of its checkpoint")
+    parser.add_argument("--load-device", default="cuda", help="load-memory mode: the device loaded to")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
@@ -1540,6 +1628,7 @@ def main() -> None:
         "verify": mode_verify,
         "decode-ncu": mode_decode_ncu,
         "quant-profile": mode_quant_profile,
+        "load-memory": mode_load_memory,
     }[args.mode](args)
 
 
