@@ -103,7 +103,7 @@ def test_ngram_drafts_take_the_longest_then_latest_match():
 def test_accepted_lengths_is_the_matching_prefix():
     drafts = [[5, 6, 7], [], [1, 2], [9]]
     sampled = [5, 6, 0, 4] + [3] + [1, 2, 8] + [2, 9]
-    assert accepted_lengths(drafts, sampled).tolist() == [2, 0, 2, 0]
+    assert accepted_lengths(drafts, sampled) == [2, 0, 2, 0]
 
 
 def test_cost_model_drafts_more_when_acceptance_is_high():
