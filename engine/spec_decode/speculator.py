@@ -41,7 +41,7 @@ import numpy as np
 
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode.ngram import ngram_drafts
+from engine.spec_decode.ngram import NgramProposer
 
 # c of the cost model for n-gram drafts: measured 0.14 for the default model at batch 1 on the CPU
 # (bench/spec_decode.py, WRITEUP.md). It only shapes the draft lengths and the slope of the speculative step
@@ -153,7 +153,10 @@ class Speculator:
         self._probing = False  # the coming step speculates as a probe
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
-        self._propose = self._ngram if config.method == "ngram" else self._placeholders
+        self._lookup = None
+        if config.method == "ngram":
+            self._lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._propose = self._ngram if self._lookup is not None else self._placeholders
 
     def speculate_always(self) -> None:
         """Every step that may speculate does, each sequence with the full k where its room allows (c = 0):
@@ -180,6 +183,8 @@ class Speculator:
             return None
         decoding = [s for s in self._candidates(running) if s.num_pending == 0]
         self.stats = {s.seq_id: self.stats.get(s.seq_id) or self._prior() for s in decoding}
+        if self._lookup is not None:
+            self._lookup.retain(self.stats.keys())
         stats = [self.stats[s.seq_id] for s in decoding]
         k = best_num_tokens(np.array([st.rate for st in stats]), self.config.num_speculative_tokens, self.cost_ratio)
         for i, st in enumerate(stats):
@@ -270,13 +275,7 @@ class Speculator:
         return tokens / seconds > n / decode.seconds
 
     def _ngram(self, seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
-        proposals = ngram_drafts(
-            [s.token_array(0, len(s.token_ids)) for s in seqs],
-            k,
-            self.config.prompt_lookup_min,
-            self.config.prompt_lookup_max,
-        )
-        return {s.seq_id: d.tolist() for s, d in zip(seqs, proposals) if len(d)}
+        return self._lookup.propose(seqs, k.tolist())
 
     @staticmethod
     def _placeholders(seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
