@@ -174,10 +174,12 @@ class BlockManager:
         """Drop the blocks of `seq` past those that hold its first `num_tokens` tokens (speculative decoding:
         the blocks that only rejected draft tokens were written to)."""
         keep = -(-num_tokens // self.block_size)
+        if keep >= len(seq.block_table):  # most verify steps: the draft stayed within blocks the sequence keeps
+            return
         for block in reversed(seq.block_table[keep:]):
             self._release(block)
         del seq.block_table[keep:]
-        seq.block_table_version += 1
+        seq.block_table_version += 1  # only on a change: it makes the sequence's table array again
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1

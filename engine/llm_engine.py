@@ -562,7 +562,6 @@ class LLMEngine:
         """Enqueue a scheduled step on the device (its sampling too, unless its mask has to wait for the
         tokens `previous` is sampling), and let the scheduler count it as launched."""
         sched, sampling, drafts = planned.sched, planned.sampling, planned.drafts
-        rows = expand_rows(sampling, drafts) if drafts is not None else sampling  # one per sampled position
         # A constrained row's mask needs every token before the one it samples: when one of them is
         # still being sampled by the step in flight, the forward is enqueued now and the sampling
         # once that step's tokens are read.
@@ -570,11 +569,14 @@ class LLMEngine:
         defer = constrained and any(seq.matcher is not None and seq.num_pending for seq, _ in sampling)
         if self._faults is not None:
             self._faults.before_forward([item.seq.request.request_id for item in sched.scheduled])
+        mask = None
+        if constrained and not defer:  # over the step's sampling rows, one per sampled position
+            mask = self._mask(expand_rows(sampling, drafts) if drafts is not None else sampling)
         launched = self.runner.launch(
             sched.scheduled,
             sampling,
             previous.launched if previous else None,
-            mask=self._mask(rows) if constrained and not defer else None,
+            mask=mask,
             defer_sampling=defer,
             drafts=drafts,
             draft_probs=planned.draft_probs,

@@ -371,7 +371,7 @@ class Scheduler:
         if plan.drafts is None:  # one row each, nothing to accept
             drafts, accepted = itertools.repeat(()), itertools.repeat(0)
         else:
-            drafts, accepted = plan.drafts, accepted_lengths(plan.drafts, token_ids).tolist()
+            drafts, accepted = plan.drafts, accepted_lengths(plan.drafts, token_ids)
         row = 0
         for (seq, _), slot, draft, num_accepted in zip(plan.sampling, plan.slots, drafts, accepted):
             first, row = row, row + len(draft) + 1

@@ -29,11 +29,19 @@ def test_new_token_ids_are_each_sequences_next_tokens_in_order():
     decode = _seq(1, prompt_b, generated=[7, 8, 9], computed=22)  # one token: the last
     recompute = _seq(2, prompt_b, generated=[1, 2, 3, 4])  # after a preemption: prompt and output
     whole = _seq(3, [5, 6])
-    scheduled = [ScheduledSeq(decode, 1), ScheduledSeq(chunk, 16), ScheduledSeq(recompute, 24), ScheduledSeq(whole, 2)]
+    verify = _seq(4, prompt_b, generated=[3, 4], computed=21)  # its last token and a draft of two
+    scheduled = [
+        ScheduledSeq(decode, 1),
+        ScheduledSeq(chunk, 16),
+        ScheduledSeq(verify, 3, [11, 12]),
+        ScheduledSeq(recompute, 24),
+        ScheduledSeq(whole, 2),
+    ]
     ids = new_token_ids(scheduled)
     assert ids.dtype == np.int64
-    assert ids.tolist() == [9] + prompt_a[8:24] + prompt_b + [1, 2, 3, 4] + [5, 6]
-    assert new_token_ids([ScheduledSeq(decode, 1)]).tolist() == [9]
+    assert ids.tolist() == [9] + prompt_a[8:24] + [4, 11, 12] + prompt_b + [1, 2, 3, 4] + [5, 6]
+    assert new_token_ids([ScheduledSeq(decode, 1), ScheduledSeq(verify, 3, [11, 12])]).tolist() == [9, 4, 11, 12]
+    assert new_token_ids([ScheduledSeq(chunk, 16)]).tolist() == prompt_a[8:24]
 
 
 def _chained_names(tokens: list[int], block_size: int) -> list[bytes]:

@@ -19,8 +19,9 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, StepStats
 from engine.sampling_params import SamplingParams
+from engine.sequence import Request, Sequence
 from engine.spec_decode import accepted_lengths
-from engine.spec_decode.ngram import ngram_drafts
+from engine.spec_decode.ngram import NgramProposer, ngram_draft
 from engine.spec_decode.speculator import best_num_tokens
 from tests.conftest import KV_BYTES
 from tests.test_structured import random_model_dir  # noqa: F401 (a fixture, for the test that asks for it)
@@ -87,23 +88,62 @@ def test_cli_flag_takes_json_and_refuses_bad_ones_in_one_line(capsys):
 
 def test_ngram_drafts_take_the_longest_then_latest_match():
     seqs = [
-        np.array([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 5, 2, 3]),  # "2 3" twice, "1 2 3"... the suffix is "5 2 3"
-        np.array([4, 5, 6, 7, 4, 5, 6, 8, 1, 5, 6]),  # "5 6" at 1 and 5: the latest (5) is followed by 8
-        np.array([1, 2, 3, 4]),  # no earlier match
-        np.array([7, 7, 7, 7, 7]),  # the latest "7 7 7" ends at 4: one token follows it
-        np.array([3]),
+        [1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 5, 2, 3],  # "2 3" twice, "1 2 3"... the suffix is "5 2 3"
+        [4, 5, 6, 7, 4, 5, 6, 8, 1, 5, 6],  # "5 6" at 1 and 5: the latest (5) is followed by 8
+        [1, 2, 3, 4],  # no earlier match
+        [7, 7, 7, 7, 7],  # the latest "7 7 7" ends at 4: one token follows it
+        [3],
     ]
-    drafts = ngram_drafts(seqs, np.array([3, 2, 3, 3, 3]), 2, 3)
-    assert [d.tolist() for d in drafts] == [[7, 6, 5], [8, 1], [], [7], []]
+    drafts = [ngram_draft(seq, k, 2, 3) for seq, k in zip(seqs, [3, 2, 3, 3, 3])]
+    assert drafts == [[7, 6, 5], [8, 1], [], [7], []]
     # min_n = 1 finds the single-token match "4"? None: 4 occurs once. k caps the length.
-    assert ngram_drafts([np.array([5, 1, 2, 5])], np.array([1]), 1, 3)[0].tolist() == [1]
-    assert ngram_drafts([np.array([5, 1, 2, 5])], np.array([3]), 2, 3)[0].tolist() == []
+    assert ngram_draft([5, 1, 2, 5], 1, 1, 3) == [1]
+    assert ngram_draft([5, 1, 2, 5], 3, 2, 3) == []
+    # The int32 bytes of 65536, 256, 0 hold those of the suffix "256 1" one byte in (00 01 00 | 00 01 00 00 | 00):
+    # a match straddling tokens is none; the search goes on to the real one before it.
+    assert ngram_draft([256, 1, 4, 65536, 256, 0, 256, 1], 2, 2, 2) == [4, 65536]
+    assert ngram_draft([65536, 256, 0, 256, 1], 2, 2, 2) == []
+
+
+def _reference_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule spelled out: over every earlier end e (before the last token), the match length is how many
+    tokens before e equal those before the end (at most max_n); the longest of at least min_n, then the latest."""
+    best = None
+    for e in range(1, len(tokens)):
+        n = 0
+        while n < max_n and e - 1 - n >= 0 and tokens[e - 1 - n] == tokens[-1 - n]:
+            n += 1
+        if n >= min_n and (best is None or n >= best[0]):
+            best = (n, e)
+    return [] if best is None else tokens[best[1] : best[1] + k]
+
+
+def test_ngram_proposer_matches_the_rule_as_sequences_grow():
+    """The proposer's kept buffers, extended step by step, give what the rule gives on the whole sequence, on
+    random sequences over few token ids (many matches, overlapping ones) including ids whose bytes can straddle."""
+    rng = np.random.default_rng(0)
+    values = np.array([1, 2, 3, 256, 65536, 65537, 0])
+    proposer = NgramProposer(2, 4)
+    seqs = []
+    for i in range(6):
+        tokens = rng.choice(values, 5).tolist()
+        seqs.append(Sequence(i, Request(f"r{i}", None, tokens, SamplingParams()), 0, 0, list(tokens)))
+    for _ in range(60):
+        k = rng.integers(1, 6, len(seqs)).tolist()
+        got = proposer.propose(seqs, k)
+        for seq, n in zip(seqs, k):
+            want = _reference_draft(seq.token_ids, n, 2, 4)
+            assert got.get(seq.seq_id, []) == want == ngram_draft(seq.token_ids, n, 2, 4)
+        for seq in seqs:  # a few more tokens each, like accepted drafts
+            seq.token_ids += rng.choice(values, int(rng.integers(1, 4))).tolist()
+    proposer.retain({0, 1})
+    assert set(proposer._buffers) == {0, 1}
 
 
 def test_accepted_lengths_is_the_matching_prefix():
     drafts = [[5, 6, 7], [], [1, 2], [9]]
     sampled = [5, 6, 0, 4] + [3] + [1, 2, 8] + [2, 9]
-    assert accepted_lengths(drafts, sampled).tolist() == [2, 0, 2, 0]
+    assert accepted_lengths(drafts, sampled) == [2, 0, 2, 0]
 
 
 def test_cost_model_drafts_more_when_acceptance_is_high():
@@ -595,7 +635,7 @@ def test_the_check_rejects_a_wrong_acceptance_rule(stat_setup):
     first = Counter()
     for tokens, count in want.items():
         first[tokens[:1]] += count
-    draft = int(ngram_drafts([np.array(prompt)], np.array([1]), 1, 3)[0][0])
+    draft = ngram_draft(list(prompt), 1, 1, 3)[0]
     without_draft = p.copy()
     without_draft[draft] = 0.0
     without_draft /= without_draft.sum()

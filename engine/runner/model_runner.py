@@ -20,7 +20,7 @@ from engine.runner.step_inputs import attention_metadata, placeholders, step_inp
 from engine.sampler import DraftedRows, SamplerRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
-from engine.spec_decode import expand_rows, verify_row
+from engine.spec_decode import expand_rows, verify_rows
 from engine.spec_decode.draft_model import DraftModel
 from engine.structured import StepMask
 
@@ -306,7 +306,7 @@ class ModelRunner(LoadedModel):
     @staticmethod
     def _verify_rows(sampling: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[SamplerRow]:
         """The sampler rows of a speculative step: one per scored position of each entry (verify_row)."""
-        return [verify_row(seq, draft, i) for (seq, _), draft in zip(sampling, drafts) for i in range(len(draft) + 1)]
+        return [row for (seq, _), draft in zip(sampling, drafts) for row in verify_rows(seq, draft)]
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, mask: StepMask | None) -> None:
@@ -365,9 +365,9 @@ class ModelRunner(LoadedModel):
 def _scored_tokens(last: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
     """The tokens whose logits a speculative step samples: of each sampling entry (whose last token is at
     `last`), every scored position, last - len(draft) .. last."""
-    counts = np.array([len(d) + 1 for d in drafts])
-    first = np.repeat(last - counts + 1, counts)
-    return first + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    # A list, then one conversion: k + 1 positions an entry are fewer than numpy's per-call costs would be.
+    scored = [p for end, draft in zip(last.tolist(), drafts) for p in range(end - len(draft), end + 1)]
+    return np.array(scored, dtype=np.int64)
 
 
 def _drafted_rows(

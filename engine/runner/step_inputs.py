@@ -31,24 +31,25 @@ class StepInputs:
 
 def new_token_ids(scheduled: list[ScheduledSeq]) -> np.ndarray:
     """The token ids the scheduled sequences compute this step, one after another, as int64."""
-    out = np.empty(sum(item.num_new_tokens for item in scheduled), dtype=np.int64)
-    # One-token items (decodes) are gathered and converted together; longer ones come as arrays.
-    single_at: list[int] = []
-    single_ids: list[int] = []
-    offset = 0
+    # Decodes' tokens and drafts (a few each) are gathered in one list and converted together, at once in a step
+    # of decodes and verifies only; prompt chunks come as arrays, put between the list's pieces.
+    ids: list[int] = []
+    chunks: list[tuple[int, np.ndarray]] = []  # (where in `ids` a chunk goes, its tokens)
     for item in scheduled:
-        seq, start, num_new = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-        if num_new == 1:
-            single_at.append(offset)
-            single_ids.append(seq.token_ids[start])
-        elif item.draft:  # its last token, then the draft it verifies
-            out[offset] = seq.token_ids[start]
-            out[offset + 1 : offset + num_new] = item.draft
+        seq, start = item.seq, item.seq.num_computed_tokens
+        if item.num_new_tokens == 1 or item.draft:  # its last token, then the draft it verifies
+            ids.append(seq.token_ids[start])
+            ids += item.draft
         else:
-            out[offset : offset + num_new] = seq.token_array(start, start + num_new)
-        offset += num_new
-    out[single_at] = single_ids
-    return out
+            chunks.append((len(ids), seq.token_array(start, start + item.num_new_tokens)))
+    if not chunks:
+        return np.array(ids, dtype=np.int64)
+    pieces, done = [], 0
+    for at, chunk in chunks:
+        pieces += [np.array(ids[done:at], dtype=np.int64), chunk]
+        done = at
+    pieces.append(np.array(ids[done:], dtype=np.int64))
+    return np.concatenate(pieces)
 
 
 def step_inputs(scheduled: list[ScheduledSeq]) -> StepInputs:

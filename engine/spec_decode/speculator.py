@@ -35,13 +35,14 @@ step stays pipelined and the draft model never runs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode.ngram import ngram_drafts
+from engine.spec_decode.ngram import NgramProposer
 
 # c of the cost model for n-gram drafts: measured 0.14 for the default model at batch 1 on the CPU
 # (bench/spec_decode.py, WRITEUP.md). It only shapes the draft lengths and the slope of the speculative step
@@ -122,15 +123,22 @@ class StepTimes:
 def expected_tokens(rate: np.ndarray, k: np.ndarray) -> np.ndarray:
     """E(a, k): the tokens a verify step emits on average for acceptance rate a and k draft tokens."""
     # Kept off 0: a rate decayed to 1e-16 and below would tie every k in floating point (E = 1), and with c = 0
-    # a longer draft must still win. Off 1: the formula's 0 / 0.
-    a = np.clip(rate, 1e-6, 1.0 - 1e-9)
+    # a longer draft must still win. Off 1: the formula's 0 / 0. (np.clip's own checks cost more than this.)
+    a = np.minimum(np.maximum(rate, 1e-6), 1.0 - 1e-9)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@functools.lru_cache(maxsize=8)
+def _lengths(k: int, cost_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """The draft lengths 0..k and their costs 1 + c k', made once (best_num_tokens runs every speculative step)."""
+    ks = np.arange(k + 1)
+    return ks, 1.0 + cost_ratio * ks
 
 
 def best_num_tokens(rate: np.ndarray, k: int, cost_ratio: float) -> np.ndarray:
     """Per acceptance rate a, the k' in 0..k maximizing E(a, k') / (1 + c k') (see the module's docstring)."""
-    ks = np.arange(k + 1)
-    return (expected_tokens(np.asarray(rate)[:, None], ks) / (1.0 + cost_ratio * ks)).argmax(axis=1)
+    ks, cost = _lengths(k, cost_ratio)
+    return (expected_tokens(np.asarray(rate)[:, None], ks) / cost).argmax(axis=1)
 
 
 class Speculator:
@@ -153,7 +161,10 @@ class Speculator:
         self._probing = False  # the coming step speculates as a probe
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
-        self._propose = self._ngram if config.method == "ngram" else self._placeholders
+        self._lookup = None
+        if config.method == "ngram":
+            self._lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._propose = self._ngram if self._lookup is not None else self._placeholders
 
     def speculate_always(self) -> None:
         """Every step that may speculate does, each sequence with the full k where its room allows (c = 0):
@@ -180,30 +191,26 @@ class Speculator:
             return None
         decoding = [s for s in self._candidates(running) if s.num_pending == 0]
         self.stats = {s.seq_id: self.stats.get(s.seq_id) or self._prior() for s in decoding}
+        if self._lookup is not None:
+            self._lookup.retain(self.stats.keys())
         stats = [self.stats[s.seq_id] for s in decoding]
         k = best_num_tokens(np.array([st.rate for st in stats]), self.config.num_speculative_tokens, self.cost_ratio)
-        for i, st in enumerate(stats):
-            if k[i] == 0:
+        # Per sequence in plain Python (numpy's per-call cost is more than a batch of <= 16 takes here).
+        seqs, lengths = [], []
+        for s, st, n in zip(decoding, stats, k.tolist()):
+            if n == 0:
                 st.idle += 1
                 if st.idle >= _PROBE_EVERY or probing:
-                    k[i], st.idle = 1, 0
-        # Room left: the step emits up to k + 1 tokens, which must stay within max_tokens and the context.
-        room = np.array(
-            [
-                min(
-                    (s.request.params.max_tokens or 1 << 62) - s.num_output_tokens,
-                    self.max_model_len - len(s.token_ids),
-                )
-                - 1
-                for s in decoding
-            ]
-        )
-        k = np.minimum(k, room)
-        chosen = np.flatnonzero(k > 0)
-        if not len(chosen):
+                    n, st.idle = 1, 0
+            # Room left: the step emits up to n + 1 tokens, which must stay within max_tokens and the context.
+            max_tokens = s.request.params.max_tokens or 1 << 62
+            n = min(n, max_tokens - s.num_output_tokens - 1, self.max_model_len - len(s.token_ids) - 1)
+            if n > 0:
+                seqs.append(s)
+                lengths.append(n)
+        if not seqs:
             return {}
-        seqs = [decoding[i] for i in chosen]
-        proposals = self._propose(seqs, k[chosen])
+        proposals = self._propose(seqs, lengths)
         for seq in seqs:
             if seq.seq_id not in proposals:  # no n-gram match: as good as a draft rejected at once
                 self.observe(seq, 1, 0)
@@ -269,19 +276,13 @@ class Speculator:
             seconds = spec.seconds * scale
         return tokens / seconds > n / decode.seconds
 
-    def _ngram(self, seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
-        proposals = ngram_drafts(
-            [s.token_array(0, len(s.token_ids)) for s in seqs],
-            k,
-            self.config.prompt_lookup_min,
-            self.config.prompt_lookup_max,
-        )
-        return {s.seq_id: d.tolist() for s, d in zip(seqs, proposals) if len(d)}
+    def _ngram(self, seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
+        return self._lookup.propose(seqs, k)
 
     @staticmethod
-    def _placeholders(seqs: list[Sequence], k: np.ndarray) -> dict[int, list[int]]:
+    def _placeholders(seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
         """k placeholder tokens per sequence, which the draft model replaces after scheduling."""
-        return {s.seq_id: [0] * int(n) for s, n in zip(seqs, k)}
+        return {s.seq_id: [0] * n for s, n in zip(seqs, k)}
 
     def _prior(self) -> _Acceptance:
         """A new sequence's acceptance: the workload's recent rate, weighing as much as the first prior (2)."""
