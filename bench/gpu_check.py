@@ -1276,14 +1276,17 @@ def write_random_checkpoint(config: dict, path: Path, device: str, seed: int = 0
 
 
 def mode_load_memory(args) -> None:
-    """The device memory a load peaks at and keeps, Llama-3-8B shape: dummy weights for each QUANT_KINDS kind
-    (a quantized config's linears made one layer at a time), then a random bf16 checkpoint of its first
-    --load-layers layers read in bf16 and with `--quantization fp8 / int8` (quantized as the checkpoint fills
-    each linear). One row per load: peak and kept GiB, and the linears' bf16 GiB for scale."""
+    """The memory a load peaks at and keeps, Llama-3-8B shape (or --load-model's): dummy weights for each
+    QUANT_KINDS kind (a quantized config's linears made one layer at a time), then a bf16 checkpoint read in
+    bf16 and with `--quantization fp8 / int8` (quantized as the checkpoint fills each linear): --load-model's own
+    safetensors when it has them, else random ones for its first --load-layers layers. One row per load: peak and
+    kept bytes (GiB beside them), the CUDA allocator's on a GPU, the storages torch allocated on the CPU
+    (bench/live_bytes.py)."""
     import gc
     import shutil
     import tempfile
 
+    from bench.live_bytes import LiveBytes
     from engine.loader import load_model
 
     device = torch.device(args.load_device)
@@ -1294,11 +1297,14 @@ def mode_load_memory(args) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        model, _ = load_model(model_dir, torch.bfloat16, device, load_format=load_format, quantization=quantization)
-        if device.type == "cuda":
+            model, _ = load_model(model_dir, torch.bfloat16, device, load_format=load_format, quantization=quantization)
             peak, kept = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
-        else:  # the CPU: what the model holds (a smoke run of the mode; no allocator peak to read)
-            peak = kept = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+        else:
+            with LiveBytes() as watch:
+                model, _ = load_model(
+                    model_dir, torch.bfloat16, device, load_format=load_format, quantization=quantization
+                )
+            peak, kept = watch.peak, watch.live
         del model
         return {
             "peak_gib": round(peak / 2**30, 3),
@@ -1312,16 +1318,19 @@ def mode_load_memory(args) -> None:
     for kind, (quantization, recipe) in QUANT_KINDS.items():
         row = measure(_quant_model_dir(recipe, base), "dummy", quantization)
         emit(args, {"mode": "load-memory", "load": "dummy", "kind": kind, "layers": config["num_hidden_layers"], **row})
-    config["num_hidden_layers"] = min(args.load_layers, config["num_hidden_layers"])
-    ckpt = Path(tempfile.mkdtemp(prefix="load-memory-"))
+    random = not list(Path(base).glob("*.safetensors"))
+    ckpt = Path(tempfile.mkdtemp(prefix="load-memory-")) if random else Path(base)
     try:
-        write_random_checkpoint(config, ckpt, args.load_device)
+        if random:
+            config["num_hidden_layers"] = min(args.load_layers, config["num_hidden_layers"])
+            write_random_checkpoint(config, ckpt, args.load_device)
         for quantization in (None, "fp8", "int8"):
             row = measure(str(ckpt), "auto", quantization)
-            emit(args, {"mode": "load-memory", "load": "checkpoint", "kind": quantization or "bf16",
-                        "layers": config["num_hidden_layers"], **row})  # fmt: skip
+            emit(args, {"mode": "load-memory", "load": "random checkpoint" if random else "checkpoint",
+                        "kind": quantization or "bf16", "layers": config["num_hidden_layers"], **row})  # fmt: skip
     finally:
-        shutil.rmtree(ckpt)
+        if random:
+            shutil.rmtree(ckpt)
 
 
 def mode_quant_profile(args) -> None:

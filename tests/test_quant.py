@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from bench.live_bytes import LiveBytes
 from bench.quant_checkpoints import LINEARS, RECIPES, write
 from engine.layers.linear import FP8, ScaledLinear, quantize_per_row
 from engine.quant import (
@@ -313,31 +311,6 @@ def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, qu
     assert type(quant.lm_head) is torch.nn.Linear  # the LM head stays full precision
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the storages that torch ops allocate while it is on, still alive, and their peak. A storage
-    counts from the op that made it (a factory, or an op's fresh output) until it is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.counted: set[int] = set()
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.counted.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage()._cdata not in self.counted:
-                storage = t.untyped_storage()  # torch keeps one Python object per storage: freed with it
-                self.counted.add(storage._cdata)
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
-        return out
-
-
 @pytest.fixture(scope="module")
 def deep_llama_dir(tmp_path_factory):
     """A Llama of 8 tiny layers and a 64-token vocabulary: its linears are nearly all of its weights, so that
@@ -375,7 +348,7 @@ def test_quantized_load_never_holds_the_full_precision_linears(deep_llama_dir, t
         qdir, quantization = write(deep_llama_dir, tmp_path, recipe), None
     full, _ = load_model(deep_llama_dir, torch.float32, torch.device("cpu"))
     linears = sum(m.weight.nbytes for n, m in full.named_modules() if type(m) is torch.nn.Linear and n != "lm_head")
-    with _LiveBytes() as watch:
+    with LiveBytes() as watch:
         model, _ = load_model(
             qdir, torch.float32, torch.device("cpu"), load_format=load_format, quantization=quantization
         )
