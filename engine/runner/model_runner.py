@@ -20,7 +20,7 @@ from engine.runner.step_inputs import attention_metadata, placeholders, step_inp
 from engine.sampler import DraftedRows, SamplerRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, TokenLogprobs
-from engine.spec_decode import expand_rows, verify_rows
+from engine.spec_decode import expand_rows, verify_row
 from engine.spec_decode.draft_model import DraftModel
 from engine.structured import StepMask
 
@@ -306,7 +306,7 @@ class ModelRunner(LoadedModel):
     @staticmethod
     def _verify_rows(sampling: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[SamplerRow]:
         """The sampler rows of a speculative step: one per scored position of each entry (verify_row)."""
-        return [row for (seq, _), draft in zip(sampling, drafts) for row in verify_rows(seq, draft)]
+        return [verify_row(seq, draft, i) for (seq, _), draft in zip(sampling, drafts) for i in range(len(draft) + 1)]
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, mask: StepMask | None) -> None:

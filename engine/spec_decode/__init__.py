@@ -6,7 +6,7 @@ ngram.py: the prompt-lookup proposer; rejection.py: the acceptance rule; specula
 (measured step times) and which sequences how far (the cost model), and their acceptance statistics.
 """
 
-from engine.spec_decode.rejection import accepted_lengths, expand_rows, verify_row, verify_rows
+from engine.spec_decode.rejection import accepted_lengths, expand_rows, verify_row
 from engine.spec_decode.speculator import Speculator
 
-__all__ = ["Speculator", "accepted_lengths", "expand_rows", "verify_row", "verify_rows"]
+__all__ = ["Speculator", "accepted_lengths", "expand_rows", "verify_row"]

@@ -37,15 +37,6 @@ def verify_row(seq: Sequence, draft: list[int], i: int) -> SamplerRow:
     return SamplerRow(params, seq.seed, seq.request.prompt_token_ids, output, seq.num_output_tokens + i)
 
 
-def verify_rows(seq: Sequence, draft: list[int]) -> list[SamplerRow]:
-    """verify_row of each scored position of `seq`'s draft, 0 .. len(draft), with what they share read once."""
-    params = seq.request.params
-    if params.reads_output_tokens:  # each row its own output so far
-        return [verify_row(seq, draft, i) for i in range(len(draft) + 1)]
-    prompt, seed, first = seq.request.prompt_token_ids, seq.seed, seq.num_output_tokens
-    return [SamplerRow(params, seed, prompt, [], first + i) for i in range(len(draft) + 1)]
-
-
 def expand_rows(entries: list[T], drafts: list[list[int]]) -> list[T]:
     """One sampling row per scored position: entry i repeated len(drafts[i]) + 1 times."""
     return [entry for entry, draft in zip(entries, drafts) for _ in range(len(draft) + 1)]

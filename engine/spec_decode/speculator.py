@@ -162,9 +162,10 @@ class Speculator:
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
         self._lookup = None
+        self._propose = self._placeholders
         if config.method == "ngram":
             self._lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self._propose = self._ngram if self._lookup is not None else self._placeholders
+            self._propose = self._lookup.propose
 
     def speculate_always(self) -> None:
         """Every step that may speculate does, each sequence with the full k where its room allows (c = 0):
@@ -275,9 +276,6 @@ class Speculator:
             scale = (1.0 + self.cost_ratio * drafted / n) / (1.0 + self.cost_ratio * spec.drafted / n)
             seconds = spec.seconds * scale
         return tokens / seconds > n / decode.seconds
-
-    def _ngram(self, seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
-        return self._lookup.propose(seqs, k)
 
     @staticmethod
     def _placeholders(seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
