@@ -73,6 +73,7 @@ class _Planned:
     prefix_counts: tuple[int, int]  # the block manager's prefix-cache counters before the scheduling
     started: float  # time.perf_counter() when its scheduling began (the speculator's step timing)
     proposed: bool  # the speculator chose to speculate in it
+    mode: bool | None  # the speculator's guard mode it runs in (None: no guard decided it)
 
 
 @dataclass
@@ -94,6 +95,8 @@ class _LaunchTime:
     decode_only: bool  # no prompt tokens in it
     num_seqs: int
     drafted: int  # draft tokens it verifies
+    mode: bool | None  # the speculator's guard mode it ran in (None: no guard decided it)
+    stats: StepStats  # its tokens: the accepted drafts are counted in once it completes
 
 
 class LLMEngine:
@@ -514,10 +517,15 @@ class LLMEngine:
         step = self.last_launch
         if step is None or not step.decode_only:
             return
+        seconds = now - step.started
+        if step.mode is not None:
+            # A speculative step is synchronous: its accepted tokens are counted by now. A plain one that is
+            # still running emits one token a sequence, counted at launch.
+            self.speculator.count_step(step.num_seqs, step.mode, step.stats.num_generated_tokens, seconds)
         if step.speculated:
-            self.speculator.times.add_spec(step.num_seqs, step.drafted, now - step.started)
+            self.speculator.times.add_spec(step.num_seqs, step.drafted, seconds)
         elif step.overlapped == overlapped == self._pipelines():
-            self.speculator.times.add_decode(step.num_seqs, now - step.started)
+            self.speculator.times.add_decode(step.num_seqs, seconds)
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:
         """Schedule a step, enqueue it on the device, and let the scheduler count it as launched."""
@@ -531,11 +539,12 @@ class LLMEngine:
         bm = self.block_manager
         prefix_counts = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         started = time.perf_counter()
-        proposed = None
+        proposed = mode = None
         if self.speculator is not None:
             if self.speculator.can_pay:  # the step times feed only the decision of one that can
                 self._time_last_step(started, overlapped)
             proposed = self.speculator.drafts(self.scheduler.running)
+            mode = self.speculator.step_mode
         sched = self.scheduler.schedule(proposed)
         if sched.is_empty:
             self.last_launch = None  # idle: the next launch's wait for work is no step's time
@@ -556,7 +565,7 @@ class LLMEngine:
             if seq.index == 0 and len(seq.request.seqs) != seq.request.params.n:  # an n > 1 parent, not forked
                 sampling += [(child, row) for child in self._fork_children(seq, item.num_new_tokens)]
         drafts = self._step_drafts(sched.scheduled, sampling) if proposed else None
-        return _Planned(sched, sampling, drafts, draft_probs, prefix_counts, started, proposed is not None)
+        return _Planned(sched, sampling, drafts, draft_probs, prefix_counts, started, proposed is not None, mode)
 
     def _enqueue(self, planned: _Planned, previous: _Step | None) -> _Step:
         """Enqueue a scheduled step on the device (its sampling too, unless its mask has to wait for the
@@ -601,6 +610,8 @@ class LLMEngine:
                 decode_only=plan.num_prefill_tokens == 0,
                 num_seqs=len(sched.scheduled),
                 drafted=drafted,
+                mode=planned.mode,
+                stats=stats,
             )
         return _Step(plan, launched, stats)
 

@@ -275,6 +275,87 @@ def test_no_draft_length_pays_at_a_cost_ratio_of_one_so_no_step_speculates():
     assert all(speculator.drafts(seqs) is None for _ in range(2 * _PROBE_STEPS))
 
 
+def guarded_steps(speculator, seqs, steps: int, realized) -> list[bool]:
+    """`steps` steps of `seqs` decided by `speculator`, each counted for its guard mode as `realized(mode)`
+    (tokens, seconds) says, as the engine counts a step at the next launch; whether each speculated."""
+    went = []
+    for _ in range(steps):
+        went.append(speculator.drafts(seqs) is not None)
+        speculator.count_step(len(seqs), speculator.step_mode, *realized(speculator.step_mode))
+    return went
+
+
+def test_the_guard_holds_off_speculation_that_emits_fewer_tokens_a_second_than_none():
+    """The cost model says every step pays (3.5 tokens in 15 ms against 2 in 10 ms), but the steps it runs
+    emit 2 tokens in 12 ms: once both modes are measured, speculation runs only _GUARD_EXPLORE steps a
+    cycle. When what speculation emits turns better than none (4 tokens in 12 ms), the next run of the mode
+    behind sees it and speculation runs the rest of each cycle."""
+    from engine.spec_decode.speculator import _GUARD_CYCLE, _GUARD_EXPLORE
+
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.015)
+    seqs = decoding_sequences(2)
+    losing = {True: (2, 0.012), False: (2, 0.010)}
+    went = guarded_steps(speculator, seqs, 2 * _GUARD_EXPLORE, losing.get)
+    assert went == [True] * _GUARD_EXPLORE + [False] * _GUARD_EXPLORE  # each mode measured in turn
+    for _ in range(3):
+        assert sum(guarded_steps(speculator, seqs, _GUARD_CYCLE, losing.get)) == _GUARD_EXPLORE
+    paying = {True: (4, 0.012), False: (2, 0.010)}
+    went = guarded_steps(speculator, seqs, 2 * _GUARD_CYCLE, paying.get)
+    assert sum(went[_GUARD_CYCLE:]) == _GUARD_CYCLE - _GUARD_EXPLORE
+
+
+def test_the_guard_is_kept_per_batch_size_bucket():
+    from engine.spec_decode.speculator import _GUARD_EXPLORE
+
+    speculator = timed_speculator(decode_s=0.010, spec_s=0.015)
+    for _ in range(3):
+        speculator.times.add_decode(1, 0.010)
+    seqs = decoding_sequences(2)
+    guarded_steps(speculator, seqs, 2 * _GUARD_EXPLORE, {True: (2, 0.012), False: (2, 0.010)}.get)
+    assert not any(guarded_steps(speculator, seqs, 20, lambda mode: (2, 0.010)))
+    # One sequence (bucket 1): nothing measured there yet, so its first steps run with speculation on.
+    assert speculator.drafts(seqs[:1]) is not None and speculator.step_mode is True
+
+
+def test_the_engine_counts_each_decode_only_steps_tokens_for_its_guard_mode(tiny_model_dir, monkeypatch):
+    """A real engine (n-gram, adaptive) with undecayed sums and a short cycle: each mode's sums hold exactly the
+    tokens of the decode-only steps run in it (accepted drafts included), every one but the last, which ends
+    before a next launch times it."""
+    from engine.spec_decode import speculator as module
+
+    monkeypatch.setattr(module, "_GUARD_DECAY", 1.0)
+    monkeypatch.setattr(module, "_GUARD_EXPLORE", 3)
+    monkeypatch.setattr(module, "_GUARD_CYCLE", 8)
+    llm = make(tiny_model_dir("llama"), 3)
+    engine = llm.engine
+    speculator = engine.speculator
+    speculator.adaptive = True
+    for _ in range(module._MIN_MEASURED):  # the cost model lets every step of these buckets speculate
+        for num_seqs in (1, 2):
+            speculator.times.add_decode(num_seqs, 1.0)
+    for rid, prompt in enumerate(repetitive_prompts(2, seed=11)):
+        engine.add_request(str(rid), prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    steps = []  # (bucket, mode, tokens) of each decode-only step
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.last_step
+        if stats.num_prefill_tokens == 0:
+            steps.append(
+                (
+                    1 << (stats.num_generated_tokens - stats.num_accepted_tokens - 1).bit_length(),
+                    speculator.step_mode,
+                    stats.num_generated_tokens,
+                )
+            )
+    steps.pop()  # the last step: no launch after it timed it
+    assert {mode for _, mode, _ in steps} == {True, False}
+    for bucket, guard in speculator.guards.items():
+        for mode, sums in ((True, guard.on), (False, guard.off)):
+            counted = [tokens for b, m, tokens in steps if b == bucket and m is mode]
+            assert (sums.count, sums.tokens) == (len(counted), sum(counted))
+    assert any(tokens > 2 for _, mode, tokens in steps if mode)  # accepted drafts were counted
+
+
 def test_the_engine_times_its_decode_and_speculative_steps_but_not_its_idle_time(tiny_model_dir):
     """A real engine measures plain decode steps and speculative ones (with their drafts) per batch size
     bucket, and the wait between two requests (the engine idle) counts as no step's time."""

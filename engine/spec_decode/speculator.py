@@ -31,6 +31,17 @@ probing costs. No step speculates with more than disable_by_batch_size decoding 
 compute-bound already, and there c approaches 1), and none at all when no draft length would pay even at
 a = 1 (c >= 1: a draft model about as costly as the model, such as the model drafting for itself): then every
 step stays pipelined and the draft model never runs.
+
+The guard. The cost model predicts; what a step costs and emits in the end also depends on what it does not
+see (which sequences find a draft, runs of acceptance, the host work around a synchronous step, the pipeline
+drained and refilled). So per decode batch size bucket the speculator also counts what decode-only steps
+emitted per second, in two modes: "on" (the cost model and its probes decide, as above) and "off"
+(speculation held off, every step plain). The bucket runs in cycles of _GUARD_CYCLE of its steps: the mode
+ahead, then _GUARD_EXPLORE steps of the mode behind (each mode first runs until measured, on first).
+Every step of a run is counted, the ones at its edges too, so a run's sums hold what switching modes cost.
+The mode behind costs what it loses over _GUARD_EXPLORE / _GUARD_CYCLE of the steps (under 1% where
+speculation loses 20%), within the 3% speculation may ever cost; a workload that turns repetitive is
+caught within a cycle (a few hundred steps).
 """
 
 from __future__ import annotations
@@ -65,6 +76,12 @@ _MIN_MEASURED = 3
 # The step decision reads each sequence's k' and E(a, k') from a table over a in steps of 1/256 (numpy per step
 # cost ~100 us on a busy host, a few % of a small model's GPU step); k' is flat near its optimum.
 _RATE_STEPS = 256
+# The guard's cycle, in steps of one bucket, and the steps of it in the mode behind (see the docstring).
+_GUARD_CYCLE = 384
+_GUARD_EXPLORE = 16
+# Of a mode's sums of tokens and seconds, the weight of what came before the latest step: about the last 50
+# steps, three runs of the mode behind, enough to average the noise of single steps.
+_GUARD_DECAY = 0.98
 
 
 @dataclass
@@ -120,6 +137,46 @@ class StepTimes:
         self.spec.setdefault(self.bucket(num_seqs), _Timing()).add(seconds, drafted)
 
 
+@dataclass
+class _Throughput:
+    """Decayed sums of the tokens decode-only steps emitted and of their periods."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0  # steps counted
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = _GUARD_DECAY * self.tokens + tokens
+        self.seconds = _GUARD_DECAY * self.seconds + seconds
+        self.count += 1
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / self.seconds if self.seconds > 0.0 else 0.0
+
+
+@dataclass
+class _Guard:
+    """One decode batch size bucket's guard (see the module's docstring): tokens per second with speculation
+    on and held off, and the bucket's place in its cycle."""
+
+    on: _Throughput = field(default_factory=_Throughput)
+    off: _Throughput = field(default_factory=_Throughput)
+    step: int = 0  # steps of the bucket decided since both modes were measured
+
+    def allows(self) -> bool:
+        """Whether the coming step of this bucket runs with speculation on (called once per step)."""
+        if self.on.count < _GUARD_EXPLORE:
+            return True
+        if self.off.count < _GUARD_EXPLORE:
+            return False
+        ahead = self.on.rate > self.off.rate
+        explore = self.step % _GUARD_CYCLE >= _GUARD_CYCLE - _GUARD_EXPLORE  # a cycle ends with it
+        self.step += 1
+        return ahead != explore
+
+
 def expected_tokens(rate: np.ndarray, k: np.ndarray) -> np.ndarray:
     """E(a, k): the tokens a verify step emits on average for acceptance rate a and k draft tokens."""
     # Kept off 0: a rate decayed to 1e-16 and below would tie every k in floating point (E = 1), and with c = 0
@@ -158,6 +215,11 @@ class Speculator:
         self.overall = _Acceptance()
         self._table: tuple[float, list[int], list[float]] | None = None  # (c, k', E) per a (_RATE_STEPS)
         self._decision: bool | None = None  # the coming step's, once speculates() has made it
+        self.guards: dict[int, _Guard] = {}  # per decode batch size bucket (StepTimes.bucket)
+        # The guard's mode of the coming step (None: no guard decided it) and, once drafts() has taken the
+        # decision, of the step being scheduled: its tokens and period count for that mode (count_step).
+        self._mode: bool | None = None
+        self.step_mode: bool | None = None
         self._probing = False  # the coming step speculates as a probe
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
@@ -188,6 +250,7 @@ class Speculator:
         step does not speculate (a speculating step may still find no draft: {})."""
         go = self.speculates(running)
         probing, self._decision, self._probing = self._probing, None, False
+        self.step_mode, self._mode = self._mode, None
         if not go:
             return None
         decoding = [s for s in self._candidates(running) if s.num_pending == 0]
@@ -240,6 +303,13 @@ class Speculator:
             return False
         if not self.adaptive:
             return True
+        bucket = StepTimes.bucket(n)
+        guard = self.guards.get(bucket)
+        if guard is None:
+            guard = self.guards[bucket] = _Guard()
+        self._mode = guard.allows()
+        if not self._mode:
+            return False
         if self._pays(n, self._candidates(running)):
             self.declined = 0
             return True
@@ -276,6 +346,13 @@ class Speculator:
             scale = (1.0 + self.cost_ratio * drafted / n) / (1.0 + self.cost_ratio * spec.drafted / n)
             seconds = spec.seconds * scale
         return tokens / seconds > n / decode.seconds
+
+    def count_step(self, num_seqs: int, mode: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step over `num_seqs` sequences that the guard ran in `mode` emitted `tokens` in a period
+        of `seconds` (launch to next launch)."""
+        guard = self.guards.get(StepTimes.bucket(num_seqs))
+        if guard is not None:
+            (guard.on if mode else guard.off).add(tokens, seconds)
 
     @staticmethod
     def _placeholders(seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
