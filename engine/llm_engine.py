@@ -24,7 +24,7 @@ from engine.scheduler import LaunchedPlan, ScheduledSeq, Scheduler, SchedulerOut
 from engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from engine.spec_decode import Speculator, expand_rows
 from engine.spec_decode.draft_model import check_draft_vocabulary
-from engine.spec_decode.speculator import COST_RATIO
+from engine.spec_decode.speculator import COST_RATIO, Guard
 from engine.stop_strings import StopMatcher
 from engine.structured import GrammarDone, Grammars, GrammarWork, StepMask
 
@@ -73,7 +73,7 @@ class _Planned:
     prefix_counts: tuple[int, int]  # the block manager's prefix-cache counters before the scheduling
     started: float  # time.perf_counter() when its scheduling began (the speculator's step timing)
     proposed: bool  # the speculator chose to speculate in it
-    mode: bool | None  # the speculator's guard mode it runs in (None: no guard decided it)
+    mode: tuple[Guard, bool] | None  # the speculator's guard and its mode it runs in (None: no guard decided it)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class _LaunchTime:
     decode_only: bool  # no prompt tokens in it
     num_seqs: int
     drafted: int  # draft tokens it verifies
-    mode: bool | None  # the speculator's guard mode it ran in (None: no guard decided it)
+    mode: tuple[Guard, bool] | None  # the speculator's guard and its mode it ran in (None: no guard decided it)
     stats: StepStats  # its tokens: the accepted drafts are counted in once it completes
 
 
@@ -511,17 +511,20 @@ class LLMEngine:
 
     def _time_last_step(self, now: float, overlapped: bool) -> None:
         """Give the speculator the period of the step launched before this launch (at `now`, `overlapped` or
-        not), when it was decode only: a speculative step's, or a plain step's in the engine's usual mode
-        (pipelined, when it pipelines: the step and its successor launched while their predecessors ran; the
-        first of a run of pipelined steps is launched right after a synchronous one, a short period)."""
+        not): with its tokens to the guard that decided its mode, and, when it was decode only, to the step times:
+        a speculative step's, or a plain step's in the engine's usual mode (pipelined, when it pipelines: the
+        step and its successor launched while their predecessors ran; the first of a run of pipelined steps is
+        launched right after a synchronous one, a short period)."""
         step = self.last_launch
-        if step is None or not step.decode_only:
+        if step is None:
             return
         seconds = now - step.started
         if step.mode is not None:
             # A speculative step is synchronous: its accepted tokens are counted by now. A plain one that is
-            # still running emits one token a sequence, counted at launch.
-            self.speculator.count_step(step.num_seqs, step.mode, step.stats.num_generated_tokens, seconds)
+            # still running emits one token a sampled sequence, counted at launch.
+            self.speculator.count_step(step.mode, step.stats.num_generated_tokens, seconds)
+        if not step.decode_only:
+            return
         if step.speculated:
             self.speculator.times.add_spec(step.num_seqs, step.drafted, seconds)
         elif step.overlapped == overlapped == self._pipelines():

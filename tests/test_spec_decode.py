@@ -281,7 +281,7 @@ def guarded_steps(speculator, seqs, steps: int, realized) -> list[bool]:
     went = []
     for _ in range(steps):
         went.append(speculator.drafts(seqs) is not None)
-        speculator.count_step(len(seqs), speculator.step_mode, *realized(speculator.step_mode))
+        speculator.count_step(speculator.step_mode, *realized(speculator.step_mode[1]))
     return went
 
 
@@ -314,13 +314,13 @@ def test_the_guard_is_kept_per_batch_size_bucket():
     guarded_steps(speculator, seqs, 2 * _GUARD_EXPLORE, {True: (2, 0.012), False: (2, 0.010)}.get)
     assert not any(guarded_steps(speculator, seqs, 20, lambda mode: (2, 0.010)))
     # One sequence (bucket 1): nothing measured there yet, so its first steps run with speculation on.
-    assert speculator.drafts(seqs[:1]) is not None and speculator.step_mode is True
+    assert speculator.drafts(seqs[:1]) is not None and speculator.step_mode[1] is True
 
 
-def test_the_engine_counts_each_decode_only_steps_tokens_for_its_guard_mode(tiny_model_dir, monkeypatch):
-    """A real engine (n-gram, adaptive) with undecayed sums and a short cycle: each mode's sums hold exactly the
-    tokens of the decode-only steps run in it (accepted drafts included), every one but the last, which ends
-    before a next launch times it."""
+def test_the_engine_counts_each_steps_tokens_for_its_guard_and_mode(tiny_model_dir, monkeypatch):
+    """A real engine (n-gram, adaptive) with undecayed sums and a short cycle: each guard's sums of a mode hold
+    exactly the tokens of the steps it ran in that mode (accepted drafts and steps with prompt tokens included),
+    every one but the last, which ends before a next launch times it."""
     from engine.spec_decode import speculator as module
 
     monkeypatch.setattr(module, "_GUARD_DECAY", 1.0)
@@ -333,27 +333,26 @@ def test_the_engine_counts_each_decode_only_steps_tokens_for_its_guard_mode(tiny
     for _ in range(module._MIN_MEASURED):  # the cost model lets every step of these buckets speculate
         for num_seqs in (1, 2):
             speculator.times.add_decode(num_seqs, 1.0)
-    for rid, prompt in enumerate(repetitive_prompts(2, seed=11)):
-        engine.add_request(str(rid), prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    steps = []  # (bucket, mode, tokens) of each decode-only step
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = repetitive_prompts(3, seed=11)
+    for rid, prompt in enumerate(prompts[:2]):
+        engine.add_request(str(rid), prompt, params)
+    steps = []  # (guard, mode, tokens, prompt tokens) of each step a guard decided
     while engine.has_unfinished_requests():
+        if len(steps) == 10:  # a request that arrives while the others decode: a step with prompt tokens
+            engine.add_request("2", prompts[2], params)
         engine.step()
-        stats = engine.last_step
-        if stats.num_prefill_tokens == 0:
-            steps.append(
-                (
-                    1 << (stats.num_generated_tokens - stats.num_accepted_tokens - 1).bit_length(),
-                    speculator.step_mode,
-                    stats.num_generated_tokens,
-                )
-            )
+        if speculator.step_mode is not None:
+            stats = engine.last_step
+            steps.append((*speculator.step_mode, stats.num_generated_tokens, stats.num_prefill_tokens))
     steps.pop()  # the last step: no launch after it timed it
-    assert {mode for _, mode, _ in steps} == {True, False}
-    for bucket, guard in speculator.guards.items():
+    assert {mode for _, mode, _, _ in steps} == {True, False}
+    assert any(prompt > 0 for *_, prompt in steps)
+    assert any(tokens > 3 for _, mode, tokens, _ in steps if mode)  # accepted drafts were counted
+    for guard in speculator.guards.values():
         for mode, sums in ((True, guard.on), (False, guard.off)):
-            counted = [tokens for b, m, tokens in steps if b == bucket and m is mode]
+            counted = [tokens for g, m, tokens, _ in steps if g is guard and m is mode]
             assert (sums.count, sums.tokens) == (len(counted), sum(counted))
-    assert any(tokens > 2 for _, mode, tokens in steps if mode)  # accepted drafts were counted
 
 
 def test_the_engine_times_its_decode_and_speculative_steps_but_not_its_idle_time(tiny_model_dir):

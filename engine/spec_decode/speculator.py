@@ -34,14 +34,14 @@ step stays pipelined and the draft model never runs.
 
 The guard. The cost model predicts; what a step costs and emits in the end also depends on what it does not
 see (which sequences find a draft, runs of acceptance, the host work around a synchronous step, the pipeline
-drained and refilled). So per decode batch size bucket the speculator also counts what decode-only steps
-emitted per second, in two modes: "on" (the cost model and its probes decide, as above) and "off"
-(speculation held off, every step plain). The bucket runs in cycles of _GUARD_CYCLE of its steps: the mode
-ahead, then _GUARD_EXPLORE steps of the mode behind (each mode first runs until measured, on first).
-Every step of a run is counted, the ones at its edges too, so a run's sums hold what switching modes cost.
-The mode behind costs what it loses over _GUARD_EXPLORE / _GUARD_CYCLE of the steps (under 1% where
-speculation loses 20%), within the 3% speculation may ever cost; a workload that turns repetitive is
-caught within a cycle (a few hundred steps).
+drained and refilled, a step with prompt tokens run synchronously after a speculative one). So per decode batch
+size bucket the speculator also counts what its steps emitted per second, prompt steps included, in two modes:
+"on" (the cost model and its probes decide, as above) and "off" (speculation held off, every step plain). The
+bucket runs in cycles of _GUARD_CYCLE of its steps: the mode ahead, then _GUARD_EXPLORE steps of the mode
+behind (each mode first runs until measured, on first). Every step of a run is counted, the ones at its edges
+too, so a run's sums hold what switching modes cost. The mode behind costs what it loses over
+_GUARD_EXPLORE / _GUARD_CYCLE of the steps (under 1% where speculation loses 20%), within the 3% speculation
+may ever cost; a workload that turns repetitive is caught within a cycle (a few hundred steps).
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ _MIN_MEASURED = 3
 # cost ~100 us on a busy host, a few % of a small model's GPU step); k' is flat near its optimum.
 _RATE_STEPS = 256
 # The guard's cycle, in steps of one bucket, and the steps of it in the mode behind (see the docstring).
-_GUARD_CYCLE = 384
-_GUARD_EXPLORE = 16
-# Of a mode's sums of tokens and seconds, the weight of what came before the latest step: about the last 50
-# steps, three runs of the mode behind, enough to average the noise of single steps.
-_GUARD_DECAY = 0.98
+_GUARD_CYCLE = 512
+_GUARD_EXPLORE = 24
+# Of a mode's sums of tokens and seconds, the weight of what came before the latest step: about the last 100
+# steps, four runs of the mode behind, enough to average single steps' noise and the rare long prompt step.
+_GUARD_DECAY = 0.99
 
 
 @dataclass
@@ -139,7 +139,7 @@ class StepTimes:
 
 @dataclass
 class _Throughput:
-    """Decayed sums of the tokens decode-only steps emitted and of their periods."""
+    """Decayed sums of the tokens steps emitted and of their periods."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -157,7 +157,7 @@ class _Throughput:
 
 
 @dataclass
-class _Guard:
+class Guard:
     """One decode batch size bucket's guard (see the module's docstring): tokens per second with speculation
     on and held off, and the bucket's place in its cycle."""
 
@@ -215,11 +215,11 @@ class Speculator:
         self.overall = _Acceptance()
         self._table: tuple[float, list[int], list[float]] | None = None  # (c, k', E) per a (_RATE_STEPS)
         self._decision: bool | None = None  # the coming step's, once speculates() has made it
-        self.guards: dict[int, _Guard] = {}  # per decode batch size bucket (StepTimes.bucket)
-        # The guard's mode of the coming step (None: no guard decided it) and, once drafts() has taken the
-        # decision, of the step being scheduled: its tokens and period count for that mode (count_step).
-        self._mode: bool | None = None
-        self.step_mode: bool | None = None
+        self.guards: dict[int, Guard] = {}  # per decode batch size bucket (StepTimes.bucket)
+        # The guard and its mode for the coming step (None: no guard decided it) and, once drafts() has taken
+        # the decision, for the step being scheduled: its tokens and period count there (count_step).
+        self._mode: tuple[Guard, bool] | None = None
+        self.step_mode: tuple[Guard, bool] | None = None
         self._probing = False  # the coming step speculates as a probe
         # The proposer, chosen once: n-gram lookup drafts now; a draft model drafts once the scheduler has
         # granted the blocks its forwards write to, so here it only reserves the room (placeholder tokens).
@@ -306,9 +306,10 @@ class Speculator:
         bucket = StepTimes.bucket(n)
         guard = self.guards.get(bucket)
         if guard is None:
-            guard = self.guards[bucket] = _Guard()
-        self._mode = guard.allows()
-        if not self._mode:
+            guard = self.guards[bucket] = Guard()
+        on = guard.allows()
+        self._mode = (guard, on)
+        if not on:
             return False
         if self._pays(n, self._candidates(running)):
             self.declined = 0
@@ -347,12 +348,12 @@ class Speculator:
             seconds = spec.seconds * scale
         return tokens / seconds > n / decode.seconds
 
-    def count_step(self, num_seqs: int, mode: bool, tokens: int, seconds: float) -> None:
-        """A decode-only step over `num_seqs` sequences that the guard ran in `mode` emitted `tokens` in a period
-        of `seconds` (launch to next launch)."""
-        guard = self.guards.get(StepTimes.bucket(num_seqs))
-        if guard is not None:
-            (guard.on if mode else guard.off).add(tokens, seconds)
+    @staticmethod
+    def count_step(mode: tuple[Guard, bool], tokens: int, seconds: float) -> None:
+        """A step that `mode` (its step_mode) ran emitted `tokens` in a period of `seconds` (launch to next
+        launch)."""
+        guard, on = mode
+        (guard.on if on else guard.off).add(tokens, seconds)
 
     @staticmethod
     def _placeholders(seqs: list[Sequence], k: list[int]) -> dict[int, list[int]]:
