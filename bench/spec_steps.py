@@ -252,16 +252,24 @@ def paired(none: Trace, ngram: Trace, prompts: list[list[int]], chunks: int) -> 
 
 
 def run_paired(
-    model: str, device: str, conc: int, requests: int, out_len: int, chunks: int, async_scheduling: bool | None
+    model: str,
+    device: str,
+    conc: int,
+    requests: int,
+    out_len: int,
+    chunks: int,
+    async_scheduling: bool | None,
+    aa: bool = False,
 ) -> dict:
-    """paired() on the two engines built here (both 8 warm-up requests first); freed before it returns."""
+    """paired() on the two engines built here (both 8 warm-up requests first); freed before it returns. `aa`: the
+    second engine without speculation too (an A/A run: what the harness makes of two equal engines)."""
     none = Trace(make_llm(model, device, conc, False, async_scheduling), conc, out_len)
     kw = {}
     if device == "cuda":
         # The budget of gpu_memory_utilization counts every tensor of this process, the first engine's too: the
         # second gets the first's pool instead (0.4 of the card again), so both have the same cache.
         kw["num_gpu_blocks_override"] = none.eng.block_manager.num_blocks
-    ngram = Trace(make_llm(model, device, conc, True, async_scheduling, **kw), conc, out_len)
+    ngram = Trace(make_llm(model, device, conc, not aa, async_scheduling, **kw), conc, out_len)
     prompts = chat_prompts(none.llm, requests + 8)
     for t in (none, ngram):
         t.warm_up(prompts[requests:])
@@ -286,19 +294,21 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true", default=None)
     ap.add_argument("--paired", action="store_true", help="both engines alive, the workload in ABBA chunks")
     ap.add_argument("--chunks", type=int, default=8, help="with --paired: chunks of the workload")
+    ap.add_argument("--aa", action="store_true", help="with --paired: the second engine without speculation too")
     a = ap.parse_args()
     for conc in [int(c) for c in a.concurrency.split(",")]:
         n = max(a.min_requests, a.requests_per_concurrency * conc)
         for r in range(a.rounds):
             if a.paired:
-                result = run_paired(a.model, a.device, conc, n, a.output_len, a.chunks, a.async_scheduling)
-                print("RESULT", json.dumps({"round": r, **result}), flush=True)
+                result = run_paired(a.model, a.device, conc, n, a.output_len, a.chunks, a.async_scheduling, a.aa)
+                print("RESULT", json.dumps({"round": r, "aa": a.aa, **result}), flush=True)
                 lo, hi = result["ratio_ci95"]
+                second = result["ngram"]
                 print(
-                    f"PAIRED concurrency {conc} round {r}: ngram/none tok/s {result['ratio_of_sums']:.4f} "
-                    f"(chunks: mean {result['ratio_mean']:.4f}, sd {result['ratio_sd']:.4f}, {result['ratio_min']:.4f}-"
-                    f"{result['ratio_max']:.4f}, 95% [{lo:.4f}, {hi:.4f}]); speculative steps "
-                    f"{result['ngram']['spec_steps']} of {result['ngram']['steps']}",
+                    f"PAIRED concurrency {conc} round {r}: {'none (A/A)' if a.aa else 'ngram'}/none tok/s "
+                    f"{result['ratio_of_sums']:.4f} (chunks: mean {result['ratio_mean']:.4f}, sd "
+                    f"{result['ratio_sd']:.4f}, {result['ratio_min']:.4f}-{result['ratio_max']:.4f}, 95% [{lo:.4f}, "
+                    f"{hi:.4f}]); speculative steps {second.get('spec_steps', 0)} of {second.get('steps', '-')}",
                     flush=True,
                 )
                 continue

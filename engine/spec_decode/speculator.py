@@ -236,7 +236,15 @@ class Speculator:
         self.can_pay = True
 
     def num_decoding(self, running: list[Sequence]) -> int:
-        return sum(s.num_uncomputed_tokens == 1 for s in running)
+        """The decoding sequences among `running`, counted up to one past disable_by_batch_size (beyond that no
+        step speculates, and a large batch is not walked every step)."""
+        limit, n = self.config.disable_by_batch_size, 0
+        for s in running:
+            if s.num_uncomputed_tokens == 1:
+                n += 1
+                if n > limit:
+                    break
+        return n
 
     def speculates(self, running: list[Sequence]) -> bool:
         """Whether the coming step over these running sequences carries drafts (then it runs synchronously).
