@@ -201,19 +201,21 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
 def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132) -> list:
     """The decode tl.dot kernel's tiles the sweep tries at m rows: BLOCK_M the rows' power of two, 32..256
     outputs by 64 or 128 inputs a step (dividing K and the group), 4 or 8 warps, 3 or 4 stages, either operand
-    order, keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32 * warps)). Breadth first, so a
-    sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two programs per
-    SM, then four, then unsplit (a split keeps two steps per program); kernels in one order for every shape
-    (later shapes reuse the compiled kernels), widest first, the weight as first operand first, as
-    bench/quant_sass.py ranks them on sm_90 (fewest instructions per weight: 6.0 at 256 outputs and 4 warps,
-    8.1 to 9.3 at 128, 10 to 16 at 64, 16 rows, 4 bits)."""
+    order, either unpack, keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32 * warps)). Breadth
+    first, so a sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two
+    programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in one order for
+    every shape (later shapes reuse the compiled kernels), widest first, the weight as first operand first,
+    the masked unpack first, as bench/quant_sass.py ranks them on sm_90 (Triton 3.6, W4 g128 at 16 rows, MID_TABLE's
+    tiles: 4.7 to 5.8 instructions per weight and thread with the weight first and the masked unpack, 6.0 to 6.8
+    with the shifted one, 6.1 to 6.8 and 7.7 to 8.1 with the weight second)."""
     from engine.kernels.quant_tiles import MidTiles
 
     bm = max(16, 1 << (m - 1).bit_length())
     kernels = [
-        (bn, bk, nw, ns, trans)
+        (bn, bk, nw, ns, trans, masked)
         for bn in (256, 128, 64, 32)
         for trans in (True, False)
+        for masked in (True, False)
         for nw in (4, 8)
         for bk in (128, 64)
         for ns in (3, 4)
@@ -302,8 +304,10 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 "tried": len(timed), "failed": failed, "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), repr(c)) for c in sorted(timed, key=timed.get)[:5]],
             } | {f"{key}_us": round(v, 2) for key, v in us.items()}  # fmt: skip
-            t = f"bn{best.block_n} bk{best.block_k} s{best.split} w{best.num_warps} st{best.num_stages}" + (
-                " T" if best.trans else ""
+            t = (
+                f"bn{best.block_n} bk{best.block_k} s{best.split} w{best.num_warps} st{best.num_stages}"
+                + (" T" if best.trans else "")
+                + (" M" if best.masked else "")
             )
             _emit(out, row, f"mid w{bits} K={k:5} N={n:5} m={m:2}  best {t:26} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "

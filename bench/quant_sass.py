@@ -5,17 +5,21 @@ shared memory), so the count per weight and thread ranks tiles before a GPU does
 
     python -m bench.quant_sass [--bits 4 8] [--rows 16 64] [--arch 90]
 
-Each line: the tiles, the main loop's instructions, per weight per thread, shared memory, top opcodes.
+Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked) at its shape,
+the main loop's instructions per weight per thread, shared memory, spills, the loop's shared-memory traffic
+(STS / LDS / LDSM, barriers, LDGSTS: cp.async copies of the pipeliner) and top opcodes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
 import tempfile
+from dataclasses import replace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -24,25 +28,33 @@ from triton.compiler import ASTSource
 from engine.kernels.quant_tiles import MidTiles
 
 _POINTERS = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "perm_ptr", "out_ptr", "part_ptr", "count_ptr")
-_INTS = ("M", "N", "K", "sxm", "sxk", "span", "SPLIT", "GROUP")
 
 
-def compile_mid(bits: int, tiles: MidTiles, scale_at_end: bool = False, arch: int = 90):
-    """The kernel as a bf16 weight-only linear launches it (no act order), compiled for `arch`."""
-    from engine.kernels.quant_gemm import _mid_kernel
+def compile_mid(
+    bits: int, tiles: MidTiles, k: int = 4096, n: int = 4096, group: int = 128, m: int = 16, arch: int = 90
+):
+    """The kernel as a bf16 weight-only linear launches it on m rows of a [k, n] weight in groups of `group` (no
+    act order; ints of 1 and multiples of 16 specialized as Triton specializes the launch), compiled for
+    `arch`."""
+    from engine.kernels.quant_gemm import _mid_kernel, _split
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compiling for a GPU needs the kernels Triton JITs: unset TRITON_INTERPRET")
+    span, split = _split(k, tiles.block_k, tiles.split)
     ptr = {"qw_ptr": "*i32", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    signature = {name: ptr.get(name, "*bf16") for name in _POINTERS} | dict.fromkeys(_INTS, "i32")
-    constexprs = {
+    signature = {name: ptr.get(name, "*bf16") for name in _POINTERS}
+    ints = {"M": m, "N": n, "K": k, "sxm": k, "sxk": 1, "span": span, "SPLIT": split, "GROUP": group}
+    constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
         "BITS": bits, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "SCALE_AT_END": scale_at_end, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
+        "SCALE_AT_END": group % span == 0, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
+        "MASKED": tiles.masked,
     }  # fmt: skip
-    signature |= dict.fromkeys(constexprs, "constexpr")
+    signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
+    signature |= {name: "constexpr" for name in constexprs if name not in signature}
+    names = list(signature)
     # Pointers 16-byte aligned, as torch allocates them.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))}
-    src = ASTSource(_mid_kernel, signature, constexprs, attrs)
+    divisible = [names.index(x) for x in names if x.endswith("_ptr") or (x in ints and ints[x] % 16 == 0)]
+    src = ASTSource(_mid_kernel, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in divisible})
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -67,33 +79,42 @@ def loop_stats(kernel) -> tuple[int, collections.Counter]:
     return best[0], ops
 
 
-def per_weight(bits: int, tiles: MidTiles, arch: int = 90) -> tuple[float, object, collections.Counter]:
+def per_weight(
+    bits: int, tiles: MidTiles, k: int = 4096, n: int = 4096, group: int = 128, arch: int = 90
+) -> tuple[float, object, collections.Counter]:
     """Main-loop instructions per weight per thread (a step covers BLOCK_N x BLOCK_K weights), the compiled
     kernel and the loop's opcodes."""
-    kernel = compile_mid(bits, tiles, arch=arch)
+    kernel = compile_mid(bits, tiles, k, n, group, tiles.block_m, arch)
     count, ops = loop_stats(kernel)
     return count / (tiles.block_n * tiles.block_k / (32 * tiles.num_warps)), kernel, ops
 
 
 def main() -> None:
+    from engine.kernels.quant_tiles import MID_TABLE
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for bits in args.bits:
-        for m in args.rows:
-            for bn, nw in ((64, 4), (128, 8)):
-                for trans in (False, True):
-                    tiles = MidTiles(m, bn, 128, 1, nw, 3, trans)
-                    try:
-                        cost, kernel, ops = per_weight(bits, tiles, args.arch)
-                    except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
-                        print(f"w{bits} {tiles}: failed: {str(e).strip().splitlines()[-1][:120]}")
-                        continue
-                    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
-                    print(f"w{bits} {tiles}: {cost:5.2f} per weight per thread, smem {kernel.metadata.shared}; {top}")
+    for (bits, k, n, m), listed in MID_TABLE.items():
+        if bits not in args.bits or m not in args.rows:
+            continue
+        group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
+        for trans, masked in itertools.product((False, True), repeat=2):
+            tiles = replace(listed, trans=trans, masked=masked)
+            try:
+                cost, kernel, ops = per_weight(bits, tiles, k, n, group, args.arch)
+            except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
+                print(f"w{bits} K={k} N={n} {tiles}: failed: {str(e).strip().splitlines()[-1][:120]}")
+                continue
+            smem = {op: c for op, c in ops.items() if op.startswith(("STS", "LDS", "LDSM", "BAR", "LDGSTS"))}
+            print(
+                f"w{bits} K={k} N={n} {tiles}: {cost:5.2f} per weight per thread, smem {kernel.metadata.shared} B, "
+                f"spills {ops['STL'] + ops['LDL']}; {smem}; top: "
+                + ", ".join(f"{op} {c}" for op, c in ops.most_common(8))
+            )
 
 
 if __name__ == "__main__":

@@ -521,7 +521,8 @@ def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmet
     """The decode tl.dot kernel (one program covers all rows) at 3..64 rows: its default tiles and explicit
     ones with K split 1, 2 and 3 ways (the last span shorter), either operand order, the scale applied per
     step and once per program; an act-order layer's inputs read through its permutation. Each launch
-    leaves the layer's counters zeroed, as CUDA graphs replaying it need."""
+    leaves the layer's counters zeroed, as CUDA graphs replaying it need. The masked unpack (MidTiles.masked)
+    gives the same weights exactly, so the same output bit for bit."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
     from engine.kernels.quant_tiles import MidTiles
@@ -553,6 +554,10 @@ def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmet
             assert out.dtype == torch.float16 and out.shape == (m, n)
             torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2, msg=f"{m} rows, {config}")
             assert not layer.counters.any(), config
+            if config is not None:
+                other = dataclasses.replace(config, masked=not config.masked)
+                again = weight_only_matmul(x.to(DEV), *args, config=other, counters=layer.counters, perm=layer.perm)
+                assert torch.equal(again, out), other
 
 
 def test_mid_sweep_candidates_are_valid_and_breadth_first():
@@ -567,10 +572,10 @@ def test_mid_sweep_candidates_are_valid_and_breadth_first():
             for config in found:
                 config.check(k, group)
                 assert config.block_m == m and k // (config.block_k * config.split) >= 2
-            kernels = [(c.block_n, c.block_k, c.num_warps, c.num_stages, c.trans) for c in found]
+            kernels = [(c.block_n, c.block_k, c.num_warps, c.num_stages, c.trans, c.masked) for c in found]
             first = kernels[: len(set(kernels))]
-            assert len(set(first)) == len(first) and {c.trans for c in found} == {False, True}
-            assert first[0][0] == 256 and first[0][4]  # widest, the weight as first operand
+            assert len(set(first)) == len(first) and {c.trans for c in found} == {c.masked for c in found} == {0, 1}
+            assert first[0][0] == 256 and first[0][4] and first[0][5]  # widest, the weight first, masked
             orders.append(first)
     assert orders[0] == orders[2]  # 16 rows, groups of 128, K 4096: qkv and o
 
@@ -630,6 +635,32 @@ def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bi
     cost, mma, tiles = _compile_for_sm90(code).split(" ", 2)
     assert float(cost) < (8 if m <= 32 else 13), (tiles, cost)
     assert int(mma) > 0  # the product is on the tensor cores
+
+
+@pytest.mark.slow
+def test_decode_dot_kernel_masked_unpack_compiles_for_sm90_in_fewer_instructions():
+    """MID_TABLE's W4 g128 tiles at 16 rows (the 8B's four shapes), the weight as tl.dot's first operand, compile
+    for sm_90 without a GPU (Triton and the ptxas of its wheel): the masked unpack (MidTiles.masked: an AND and
+    an FMA a field) issues fewer main-loop instructions per weight and thread than shifting each field out
+    (a shift, an extract, an OR, a subtraction), with no spills, on wgmma (HGMMA) and with the same shared
+    memory: with Triton 3.6 / 3.9, 4.65-5.77 / 4.95-6.33 against 5.96-6.77 / 6.02-7.00 (the weight as second
+    operand, MID_TABLE's choice today, 7.70-8.09 / 7.18-7.72, with a 2-byte shared store per weight)."""
+    code = (
+        "from dataclasses import replace\n"
+        "from bench.quant_sass import per_weight\n"
+        "from engine.kernels.quant_tiles import MID_TABLE\n"
+        "for (bits, k, n, m), t in MID_TABLE.items():\n"
+        "    if bits == 4 and m == 16:\n"
+        "        for masked in (False, True):\n"
+        "            cost, kernel, ops = per_weight(4, replace(t, trans=True, masked=masked), k, n, 128)\n"
+        "            print(k, n, int(masked), cost, ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared)\n"
+    )
+    lines = [line.split() for line in _compile_for_sm90(code).splitlines()]
+    assert len(lines) == 8
+    for old, new in zip(lines[::2], lines[1::2]):
+        assert old[:2] == new[:2] and (old[2], new[2]) == ("0", "1")
+        assert float(new[3]) < min(6.5, float(old[3]) - 0.4), (old, new)
+        assert int(new[4]) > 0 and int(new[5]) == 0 and new[6] == old[6], new
 
 
 @pytest.mark.slow
@@ -749,17 +780,21 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
 def test_decode_kernels_are_exact_in_float32(bits, m):
     """float32 in, float32 out: the GEMV's per-group factoring s * (sum q x - z sum x), and the tl.dot kernel's
     exact q - z with the scale applied to the step's product, stay within float32 rounding of the dequantized
-    product."""
+    product; the tl.dot kernel with either unpack and either operand order."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
+    from engine.kernels.quant_tiles import MidTiles
 
     k, n = 256, 48
     g = torch.Generator().manual_seed(11)
     w = quantize_rtn(torch.randn(n, k, generator=g), bits, 64, symmetric=False)
     x = torch.randn(m, k, generator=g)
-    out = weight_only_matmul(x.to(DEV), pack_int32(w.q, bits, 0).to(DEV), w.scales.float().to(DEV),
-                             w.zeros.float().to(DEV), bits, 64)  # fmt: skip
-    torch.testing.assert_close(out.cpu(), x @ w.dequantize(), atol=1e-4, rtol=1e-5)
+    args = (pack_int32(w.q, bits, 0).to(DEV), w.scales.float().to(DEV), w.zeros.float().to(DEV), bits, 64)
+    both = (False, True)
+    configs = [None] if m <= 2 else [None, *(MidTiles(16, 16, 64, 2, trans=t, masked=mk) for t in both for mk in both)]
+    for config in configs:
+        out = weight_only_matmul(x.to(DEV), *args, config=config)
+        torch.testing.assert_close(out.cpu(), x @ w.dequantize(), atol=1e-4, rtol=1e-5, msg=str(config))
 
 
 def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():

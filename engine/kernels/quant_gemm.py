@@ -10,9 +10,10 @@ Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
   registers, and accumulates in float32 for every row at once.
 - up to MID_MAX_M rows (decode batches), a tl.dot kernel whose one program covers every row (BLOCK_M = the
   next power of two >= M, at least 16), so each weight tile is loaded and dequantized once whatever M is. The
-  field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion) and
-  the scale multiplies the product per group step (or once, when a program's K range lies in one group), not
-  each weight. TRANS computes out^T = W^T x^T, the dequantized weight as tl.dot's first operand.
+  field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion; or
+  MASKED, the GEMV's way, an AND and an FMA) and the scale multiplies the product per group step (or once,
+  when a program's K range lies in one group), not each weight. TRANS computes out^T = W^T x^T, the
+  dequantized weight as tl.dot's first operand.
 - prompt-sized batches, a tl.dot kernel tiled over M and N (no split): BLOCK_K rows lie in one group (BLOCK_K
   divides the group size), so each tile loads one row of scales and zeros.
 
@@ -82,11 +83,12 @@ def mid_tiles(bits: int, m: int, n: int, k: int, group: int, num_sms: int) -> Mi
     """The decode tl.dot kernel's tiles for m rows: MID_TABLE's entry for (bits, K, N, BLOCK_M), else the rule
     for shapes not listed: BLOCK_M the next power of two >= m (at least 16); up to 32 rows 256 outputs by
     BLOCK_K up to 64 on 4 warps, at 64 rows 128 outputs by BLOCK_K up to 128 on 8 warps (BLOCK_K the largest
-    that divides K and the group); 3 stages; the weight as tl.dot's first operand (trans); K split (at most 16
-    ways: the last program reads every partial) until about two programs per SM stream the weight, each
-    keeping at least four steps. Of the tiles compiled for sm_90, these issue the fewest instructions per
-    weight in the main loop without spilling (bench/quant_sass.py, Triton 3.6, 4 and 8 bits: 5.9 to 7.0 up to
-    32 rows, where the unpacked weight goes to shared memory in 16-byte stores; 10.8 to 10.9 at 64)."""
+    that divides K and the group); 3 stages; the weight as tl.dot's first operand (trans), unpacked masked; K
+    split (at most 16 ways: the last program reads every partial) until about two programs per SM stream the
+    weight, each keeping at least four steps. Of the tiles compiled for sm_90, these issue the fewest
+    instructions per weight in the main loop without spilling (bench/quant_sass.py, Triton 3.6, 4 and 8 bits:
+    5.9 to 7.0 up to 32 rows with the shifted unpack, where the unpacked weight goes to shared memory in
+    16-byte stores; 10.8 to 10.9 at 64; the masked unpack takes ~1 to 1.3 fewer at 16 rows)."""
     bm = max(16, triton.next_power_of_2(m))
     listed = MID_TABLE.get((bits, k, n, bm))  # swept at one group size: its K step must divide this one's
     return listed if listed is not None and group % listed.block_k == 0 else mid_rule(bm, n, k, group, num_sms)
@@ -98,7 +100,7 @@ def mid_rule(bm: int, n: int, k: int, group: int, num_sms: int) -> MidTiles:
     programs, split = triton.cdiv(n, bn), 1
     while programs * split < 2 * num_sms and k // (bk * split * 2) >= 4 and split < 16:
         split *= 2
-    return MidTiles(bm, bn, bk, split, num_warps=warps, trans=True)
+    return MidTiles(bm, bn, bk, split, num_warps=warps, trans=True, masked=True)
 
 
 @triton.jit
@@ -139,36 +141,63 @@ def _as_float(q, z, dtype: tl.constexpr):
 
 
 @triton.jit
-def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
+def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr):
     """[KW, N] words -> [KW * 32 / BITS, N] weights q - z (z [N]): field j of word row kw to row kw * 32 / BITS
-    + j, as a [KW, 32 / BITS, N] tensor folded (the layout the tl.dot operand compiles best from on sm_90)."""
+    + j, as a [KW, 32 / BITS, N] tensor folded (the layout the tl.dot operand compiles best from on sm_90).
+    MASKED: the fields masked in place from half words (as _field does), z then [16 / BITS, N]: 2**(23 - BITS *
+    i) + z for each place i in a half word."""
     PER_WORD: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PER_WORD) * BITS
-    w = _as_float((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), z[None, None, :], dtype)
+    if MASKED:
+        HALF: tl.constexpr = PER_WORD // 2
+        halves = ((words[:, None, :] >> (tl.arange(0, 2) * 16)[None, :, None]) & 0xFFFF) | 0x4B000000
+        place = tl.arange(0, HALF)
+        keep = 0x4B000000 | (((1 << BITS) - 1) << (place * BITS))
+        q = (halves[:, :, None, :] & keep[None, None, :, None]).to(tl.float32, bitcast=True)
+        # 2**-(BITS * place) as a float: 1 << (BITS * place) is exact.
+        f = 1.0 / (1 << (place * BITS)).to(tl.float32)
+        w = (q * f[None, None, :, None] - z[None, None, :, :]).to(dtype)
+    else:
+        shifts = tl.arange(0, PER_WORD) * BITS
+        w = _as_float((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), z[None, None, :], dtype)
     return tl.reshape(w, (words.shape[0] * PER_WORD, words.shape[1]))
 
 
 @triton.jit
-def _field(words, j: tl.constexpr, BITS: tl.constexpr, z, dtype: tl.constexpr):
-    return _as_float((words >> (j * BITS)) & ((1 << BITS) - 1), z, dtype)
+def _field(words, j: tl.constexpr, BITS: tl.constexpr, z, dtype: tl.constexpr, MASKED: tl.constexpr):
+    """Field j of words as q - z in `dtype`, exactly. Shifted out: z given as 2**23 + z (_as_float). MASKED: one
+    AND of a constant that keeps 2**23's bits, from the word's half ORed into the mantissa of 2**23 (the
+    compiler computes each half once for all its fields), leaves 2**23 + q * 2**(BITS * i), i the field's
+    place in its half, exactly; times 2**-(BITS * i), less 2**(23 - BITS * i) + z, that is q - z exactly (one
+    FMA: the exact result is representable, so its one rounding changes nothing; the sum with z is on z's
+    own shape, not each weight's)."""
+    if MASKED:
+        HALF: tl.constexpr = 16 // BITS
+        i: tl.constexpr = j % HALF
+        keep: tl.constexpr = 0x4B000000 | (((1 << BITS) - 1) << (BITS * i))
+        half = ((words >> (16 * (j // HALF))) & 0xFFFF) | 0x4B000000
+        q = (half & keep).to(tl.float32, bitcast=True)
+        w = (q * (1.0 / (1 << (BITS * i))) - (z + (1 << (23 - BITS * i)))).to(dtype)
+    else:
+        w = _as_float((words >> (j * BITS)) & ((1 << BITS) - 1), z, dtype)
+    return w
 
 
 @triton.jit
-def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr):
-    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]): field j of word kw to column kw * 32 /
-    BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers)."""
+def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr):
+    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]; 2**23 + z unless MASKED): field j of word kw
+    to column kw * 32 / BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers)."""
     if BITS == 4:
         even = tl.interleave(
-            tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 4, BITS, z, dtype)),
-            tl.interleave(_field(words, 2, BITS, z, dtype), _field(words, 6, BITS, z, dtype)),
+            tl.interleave(_field(words, 0, BITS, z, dtype, MASKED), _field(words, 4, BITS, z, dtype, MASKED)),
+            tl.interleave(_field(words, 2, BITS, z, dtype, MASKED), _field(words, 6, BITS, z, dtype, MASKED)),
         )
         odd = tl.interleave(
-            tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 5, BITS, z, dtype)),
-            tl.interleave(_field(words, 3, BITS, z, dtype), _field(words, 7, BITS, z, dtype)),
+            tl.interleave(_field(words, 1, BITS, z, dtype, MASKED), _field(words, 5, BITS, z, dtype, MASKED)),
+            tl.interleave(_field(words, 3, BITS, z, dtype, MASKED), _field(words, 7, BITS, z, dtype, MASKED)),
         )
     else:
-        even = tl.interleave(_field(words, 0, BITS, z, dtype), _field(words, 2, BITS, z, dtype))
-        odd = tl.interleave(_field(words, 1, BITS, z, dtype), _field(words, 3, BITS, z, dtype))
+        even = tl.interleave(_field(words, 0, BITS, z, dtype, MASKED), _field(words, 2, BITS, z, dtype, MASKED))
+        odd = tl.interleave(_field(words, 1, BITS, z, dtype, MASKED), _field(words, 3, BITS, z, dtype, MASKED))
     return tl.interleave(even, odd)
 
 
@@ -178,14 +207,16 @@ def _mid_kernel(
     M, N, K, sxm, sxk, span, SPLIT, GROUP,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
     group; a run-time argument: one compiled kernel serves per-channel weights of any K). Each step loads its
     [BLOCK_K * BITS / 32, BLOCK_N] words once and unpacks them in registers (loading a word per weight, as
     the prompt kernel does, costs ~2.5x the instructions per weight on sm_90). SCALE_AT_END: the program's
-    whole span lies in one group, so its scale multiplies the sum once."""
+    whole span lies in one group, so its scale multiplies the sum once. MASKED: the fields unpacked as the GEMV
+    does (_field: an AND and an FMA a field where shifting it out costs a shift, an extract, an OR and
+    a subtraction)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -206,12 +237,14 @@ def _mid_kernel(
             cols = tl.load(perm_ptr + offs_k)
         offs_kw = k0 // PER_WORD + tl.arange(0, BLOCK_KW)
         g = k0 // GROUP
-        # 2**23 + z: the field ORed into the mantissa of 2**23, less this, is q - z exactly (both < 2**24).
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32) + 8388608.0
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if TRANS:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
             words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
-            w = _unpack_k_cols(words, z[:, None], BITS, a.dtype)
+            if MASKED:
+                w = _unpack_k_cols(words, z[:, None], BITS, a.dtype, True)
+            else:  # 2**23 + z: the field ORed into the mantissa of 2**23, less this, is q - z exactly
+                w = _unpack_k_cols(words, z[:, None] + 8388608.0, BITS, a.dtype, False)
             if SCALE_AT_END:
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
             else:
@@ -220,7 +253,11 @@ def _mid_kernel(
         else:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
             words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-            w = _unpack_k_rows(words, z, BITS, a.dtype)
+            if MASKED:  # 2**(23 - BITS * i) + z for the field's place i in its half word
+                place = (1 << (23 - BITS * tl.arange(0, 16 // BITS))).to(tl.float32)
+                w = _unpack_k_rows(words, place[:, None] + z[None, :], BITS, a.dtype, True)
+            else:
+                w = _unpack_k_rows(words, z + 8388608.0, BITS, a.dtype, False)
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
@@ -552,7 +589,7 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
         m, n, k, x.stride(0), x.stride(1), span, split, group_size,
         BITS=bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
-        PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=_precision(x), MASKED=config.masked, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

@@ -32,9 +32,12 @@ class Tiles:
 class MidTiles(Tiles):
     """The decode tl.dot kernel (quant_gemm._mid_kernel): one program covers all rows (M <= block_m), BLOCK_N
     outputs, BLOCK_K inputs a step, K split over at most `split` programs. `trans`: compute out^T = W^T x^T,
-    the dequantized weight as tl.dot's first operand (on sm_90 wgmma reads it from registers)."""
+    the dequantized weight as tl.dot's first operand (on sm_90 wgmma reads it from registers). `masked`: unpack
+    a field with one AND and one FMA from half words ORed into 2**23 once (the GEMV's way), not with a shift,
+    an extract, an OR and a subtraction."""
 
     trans: bool = False
+    masked: bool = False
 
     def check(self, k: int, group: int) -> None:
         # Any split: the kernel's spans are whole steps, the last one shorter.
