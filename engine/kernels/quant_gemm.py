@@ -238,6 +238,8 @@ def _mid_kernel(
         offs_kw = k0 // PER_WORD + tl.arange(0, BLOCK_KW)
         g = k0 // GROUP
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        # Loaded before the unpack, so its latency overlaps it (unused if SCALE_AT_END: compiled out).
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if TRANS:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
             words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
@@ -248,7 +250,6 @@ def _mid_kernel(
             if SCALE_AT_END:
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
             else:
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
         else:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
@@ -261,7 +262,6 @@ def _mid_kernel(
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]
     if SCALE_AT_END:
         s = tl.load(s_ptr + (pid_k * span // GROUP) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
