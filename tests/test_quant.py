@@ -866,8 +866,9 @@ def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the decode tl.dot kernel at Llama-3-8B shapes)")
 @pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
 def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
-    """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 33 / 64 rows: the default tiles
-    and candidates of the sweep's grid, one counter array shared by all launches as a layer shares it."""
+    """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 20 / 33 / 64 rows: the default tiles
+    (20 rows: the rule's) and candidates of the sweep's grid, one counter array shared by all launches as a layer
+    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit."""
     from bench.quant_gpu import SHAPES, mid_candidates
     from engine.kernels.quant_gemm import weight_only_matmul
 
@@ -876,13 +877,16 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
         args = (pack_int32(w.q, bits, 0), w.scales.bfloat16(), w.zeros.bfloat16(), bits, w.group_size)
         wd = w.dequantize().to(torch.bfloat16)
         counters = torch.zeros(n // 16, dtype=torch.int32, device="cuda")
-        for m in (3, 16, 33, 64):
+        for m in (3, 16, 20, 33, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = (x @ wd).float()
             for config in [None, *mid_candidates(m, n, k, w.group_size)[::25]]:  # the sweep checks all it times
                 out = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 assert (out - ref).norm() / ref.norm() < 1e-2, (k, n, m, config)
                 assert not counters.any(), config
+                if config is not None:
+                    twin = dataclasses.replace(config, masked=not config.masked)
+                    assert torch.equal(weight_only_matmul(x, *args, config=twin, counters=counters).float(), out)
 
 
 # ----- W8A8 kernels (engine/kernels/w8a8.py) -----
