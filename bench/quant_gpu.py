@@ -239,7 +239,8 @@ def _split_breadth_first(kernels: list[tuple], n: int, k: int, num_sms: int, mak
 
 def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list[str]:
     """W4A16 g128 and W8A16 per-channel at 16 and 64 rows, the decode tl.dot kernel per Llama-3-8B layer shape
-    (tiny shapes in a dry run): the default tiles, then candidates until the shape's share of `budget_s`
+    (tiny shapes in a dry run): the default tiles and their twins with the masked unpack (either operand
+    order: an A/B of the unpack at the table's own tiles), then candidates until the shape's share of `budget_s`
     (the budget over the (bits, shape, rows) left, so a cut sweep still covers every shape), each checked
     against the dequantized reference (and its counters left zeroed) first; beside bf16 F.linear, the prompt
     kernel at those rows and the GEMV at one row (the target: the weight read as fast as at batch 1). Then per
@@ -256,7 +257,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     left = len(combos) * len(shapes)
     entries = []
     for bits, group, m in combos:
-        totals = {"bf16": 0.0, "prompt": 0.0, "gemv1": 0.0, "default": 0.0, "best": 0.0}
+        totals = dict.fromkeys(("bf16", "prompt", "gemv1", "default", "masked", "trans_masked", "best"), 0.0)
         for k, n in shapes:
             stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
             left -= 1
@@ -269,10 +270,12 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
             ref = F.linear(x, iw.dequantize().t().to(dtype)).float()
             default = mid_tiles(bits, m, n, k, iw.group_size, sms)
+            twins = {"masked": replace(default, masked=True), "trans_masked": replace(default, trans=True, masked=True)}
+            first = list(dict.fromkeys([default, *twins.values()]))
             timed, failed = {}, []
-            candidates = [default, *(c for c in mid_candidates(m, n, k, iw.group_size, sms) if c != default)]
+            candidates = [*first, *(c for c in mid_candidates(m, n, k, iw.group_size, sms) if c not in first)]
             for config in candidates[:2] if dry_run else candidates:
-                if config is not default and time.monotonic() > stop:
+                if config not in first and time.monotonic() > stop:
                     break
                 try:  # a kernel this Triton fails to compile (a crash seen on sm_90 in some versions) is skipped
                     got = weight_only_matmul(x, *args, config=config, counters=counters).float()
@@ -295,6 +298,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 "prompt": _time(partial(weight_only_matmul, x, *args, config=tiles(m, n, k, iw.group_size))),
                 "gemv1": _time(partial(weight_only_matmul, x[:1], *args, config=gemv1, counters=counters)),
                 "default": timed.get(default, float("nan")),
+                **{key: timed.get(twin, float("nan")) for key, twin in twins.items()},
                 "best": timed[best],
             }
             for key, v in us.items():
@@ -311,14 +315,16 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             )
             _emit(out, row, f"mid w{bits} K={k:5} N={n:5} m={m:2}  best {t:26} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
-                            f"{us['default']:7.1f} | prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
+                            f"{us['default']:7.1f} (masked {us['masked']:7.1f}, T masked {us['trans_masked']:7.1f}) "
+                            f"| prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
                             f"| bf16 {us['bf16']:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}, {best.block_m}): {best!r},")
         summary = {"sweep": f"mid-w{bits} layer total (4 matmuls), batch {m}"} | {
             f"{key}_us": round(v, 2) for key, v in totals.items()
         }
         _emit(out, summary, f"mid w{bits} layer at m={m}: bf16 {totals['bf16']:.1f} us, prompt kernel "
-                            f"{totals['prompt']:.1f}, default {totals['default']:.1f}, best {totals['best']:.1f}, "
+                            f"{totals['prompt']:.1f}, default {totals['default']:.1f} (masked {totals['masked']:.1f}, "
+                            f"T masked {totals['trans_masked']:.1f}), best {totals['best']:.1f}, "
                             f"GEMV at m=1 {totals['gemv1']:.1f} (best / GEMV m=1 = "
                             f"{totals['best'] / totals['gemv1']:.2f}x; shapes that failed count 0)")  # fmt: skip
     print("MID_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
