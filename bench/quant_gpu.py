@@ -198,24 +198,27 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
     print("GEMV_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
 
 
-def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132) -> list:
+def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragment: bool = False) -> list:
     """The decode tl.dot kernel's tiles the sweep tries at m rows: BLOCK_M the rows' power of two, 32..256
     outputs by 64 or 128 inputs a step (dividing K and the group), 4 or 8 warps, 3 or 4 stages, either operand
-    order, either unpack, keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32 * warps)). Breadth
-    first, so a sweep cut by its budget has seen the likeliest kinds: each kernel with K split for about two
-    programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in one order for
-    every shape (later shapes reuse the compiled kernels), widest first, the weight as first operand first,
-    the masked unpack first, as bench/quant_sass.py ranks them on sm_90 (Triton 3.6, W4 g128 at 16 rows, MID_TABLE's
-    tiles: 4.7 to 5.8 instructions per weight and thread with the weight first and the masked unpack, 6.0 to 6.8
-    with the shifted one, 6.1 to 6.8 and 7.7 to 8.1 with the weight second)."""
+    order, either unpack, and (`fragment`: a 4-bit weight, K in blocks of 128) the weight second in the
+    fragment layout (MidTiles.fragment), keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32 *
+    warps)). Breadth first, so a sweep cut by its budget has seen the likeliest kinds: each kernel with K split
+    for about two programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in
+    one order for every shape (later shapes reuse the compiled kernels), widest first, then by operand kind
+    as bench/quant_sass.py ranks them on sm_90 (W4 g128 at 16 rows, MID_TABLE's tiles, instructions per weight
+    and thread with Triton 3.6: the weight first and masked 4.7 to 5.8, shifted 6.0 to 6.8; second 6.1 to 6.8
+    and 7.7 to 8.1; Triton 3.9: the fragment layout 5.3 to 5.8, the weight first and masked 5.1 to 6.3)."""
     from engine.kernels.quant_tiles import MidTiles
 
     bm = max(16, 1 << (m - 1).bit_length())
+    kinds = [(True, True, False), (True, False, False), (False, True, False), (False, False, False)]
+    if fragment:
+        kinds.insert(1, (False, True, True))
     kernels = [
-        (bn, bk, nw, ns, trans, masked)
+        (bn, bk, nw, ns, *kind)
         for bn in (256, 128, 64, 32)
-        for trans in (True, False)
-        for masked in (True, False)
+        for kind in kinds
         for nw in (4, 8)
         for bk in (128, 64)
         for ns in (3, 4)
@@ -245,7 +248,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     against the dequantized reference (and its counters left zeroed) first; beside bf16 F.linear, the prompt
     kernel at those rows and the GEMV at one row (the target: the weight read as fast as at batch 1). Then per
     bits and rows the layer's total (the four matmuls). Prints MID_TABLE entries and returns them."""
-    from engine.kernels.quant_gemm import _num_sms, gemv_tiles, mid_tiles, tiles, weight_only_matmul
+    from engine.kernels.quant_gemm import _num_sms, fragment_pack, gemv_tiles, mid_tiles, tiles, weight_only_matmul
     from engine.quant import pack_int32
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,7 +260,9 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     left = len(combos) * len(shapes)
     entries = []
     for bits, group, m in combos:
-        totals = dict.fromkeys(("bf16", "prompt", "gemv1", "default", "masked", "trans_masked", "best"), 0.0)
+        totals = dict.fromkeys(
+            ("bf16", "prompt", "gemv1", "default", "masked", "trans_masked", "fragment", "best"), 0.0
+        )
         for k, n in shapes:
             stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
             left -= 1
@@ -265,27 +270,34 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             w = torch.randn(n, k, device=device, generator=g) * 0.02
             iw = quantize_rtn(w, bits, group)
             args = (pack_int32(iw.q, bits, 0), iw.scales.to(dtype), iw.zeros.to(dtype), bits, iw.group_size)
+            fragment = bits == 4 and k % 128 == 0  # the fragment layout's tiles read the weight repacked
+            frag_args = (fragment_pack(args[0]), *args[1:]) if fragment else args
             nbytes = sum(t.numel() * t.element_size() for t in args[:3])
             counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
             x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
             ref = F.linear(x, iw.dequantize().t().to(dtype)).float()
             default = mid_tiles(bits, m, n, k, iw.group_size, sms)
             twins = {"masked": replace(default, masked=True), "trans_masked": replace(default, trans=True, masked=True)}
+            if fragment:
+                twins["fragment"] = replace(default, trans=False, masked=True, fragment=True)
             first = list(dict.fromkeys([default, *twins.values()]))
             timed, failed = {}, []
-            candidates = [*first, *(c for c in mid_candidates(m, n, k, iw.group_size, sms) if c not in first)]
+            more = mid_candidates(m, n, k, iw.group_size, sms, fragment)
+            candidates = [*first, *(c for c in more if c not in first)]
             for config in candidates[:2] if dry_run else candidates:
                 if config not in first and time.monotonic() > stop:
                     break
                 try:  # a kernel this Triton fails to compile (a crash seen on sm_90 in some versions) is skipped
-                    got = weight_only_matmul(x, *args, config=config, counters=counters).float()
+                    got = weight_only_matmul(x, *(frag_args if config.fragment else args), config=config,
+                                             counters=counters).float()  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
                     failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
                     print(f"mid w{bits} K={k:5} N={n:5} m={m:2}  failed to compile or run: {config!r}: {failed[-1][1]}")
                     continue
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n} m={m}: relative error {err}"
-                timed[config] = _time(partial(weight_only_matmul, x, *args, config=config, counters=counters))
+                timed[config] = _time(partial(weight_only_matmul, x, *(frag_args if config.fragment else args),
+                                              config=config, counters=counters))  # fmt: skip
             if not timed:
                 _emit(out, {"sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "failed": failed},
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
@@ -312,10 +324,12 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 f"bn{best.block_n} bk{best.block_k} s{best.split} w{best.num_warps} st{best.num_stages}"
                 + (" T" if best.trans else "")
                 + (" M" if best.masked else "")
+                + (" F" if best.fragment else "")
             )
             _emit(out, row, f"mid w{bits} K={k:5} N={n:5} m={m:2}  best {t:26} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
-                            f"{us['default']:7.1f} (masked {us['masked']:7.1f}, T masked {us['trans_masked']:7.1f}) "
+                            f"{us['default']:7.1f} (masked {us['masked']:7.1f}, T masked {us['trans_masked']:7.1f}, "
+                            f"fragment {us.get('fragment', float('nan')):7.1f}) "
                             f"| prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
                             f"| bf16 {us['bf16']:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}, {best.block_m}): {best!r},")
@@ -324,7 +338,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
         }
         _emit(out, summary, f"mid w{bits} layer at m={m}: bf16 {totals['bf16']:.1f} us, prompt kernel "
                             f"{totals['prompt']:.1f}, default {totals['default']:.1f} (masked {totals['masked']:.1f}, "
-                            f"T masked {totals['trans_masked']:.1f}), best {totals['best']:.1f}, "
+                            f"T masked {totals['trans_masked']:.1f}, fragment {totals['fragment']:.1f}), "
+                            f"best {totals['best']:.1f}, "
                             f"GEMV at m=1 {totals['gemv1']:.1f} (best / GEMV m=1 = "
                             f"{totals['best'] / totals['gemv1']:.2f}x; shapes that failed count 0)")  # fmt: skip
     print("MID_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)

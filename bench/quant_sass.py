@@ -5,7 +5,8 @@ shared memory), so the count per weight and thread ranks tiles before a GPU does
 
     python -m bench.quant_sass [--bits 4 8] [--rows 16 64] [--arch 90]
 
-Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked) at its shape,
+Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked), and for 4 bits
+the fragment layout (fragment: the weight second, its unpacked tile in the operand's registers), at its shape,
 the main loop's instructions per weight per thread, shared memory, spills, the loop's shared-memory traffic
 (STS / LDS / LDSM, barriers, LDGSTS: cp.async copies of the pipeliner) and top opcodes.
 """
@@ -43,11 +44,21 @@ def compile_mid(
     span, split = _split(k, tiles.block_k, tiles.split)
     ptr = {"qw_ptr": "*i32", "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {name: ptr.get(name, "*bf16") for name in _POINTERS}
-    ints = {"M": m, "N": n, "K": k, "sxm": k, "sxk": 1, "span": span, "SPLIT": split, "GROUP": group}
+    ints = {
+        "M": m,
+        "N": n,
+        "K": k,
+        "sxm": k,
+        "sxk": 1,
+        "span": span,
+        "SPLIT": split,
+        "GROUP": group,
+        "sqn": k * bits // 32,
+    }
     constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
         "BITS": bits, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "SCALE_AT_END": group % span == 0, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
-        "MASKED": tiles.masked,
+        "MASKED": tiles.masked, "FRAGMENT": tiles.fragment,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= {name: "constexpr" for name in constexprs if name not in signature}
@@ -102,8 +113,9 @@ def main() -> None:
         if bits not in args.bits or m not in args.rows:
             continue
         group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
-        for trans, masked in itertools.product((False, True), repeat=2):
-            tiles = replace(listed, trans=trans, masked=masked)
+        kinds = [(trans, masked, False) for trans, masked in itertools.product((False, True), repeat=2)]
+        for trans, masked, fragment in kinds + ([(False, True, True)] if bits == 4 else []):
+            tiles = replace(listed, trans=trans, masked=masked, fragment=fragment)
             try:
                 cost, kernel, ops = per_weight(bits, tiles, k, n, group, args.arch)
             except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type

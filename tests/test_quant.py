@@ -8,6 +8,7 @@ against words built by hand from the formats' definitions, so a packer and unpac
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -560,6 +561,74 @@ def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmet
                 assert torch.equal(again, out), other
 
 
+def test_fragment_layout_round_trips_and_places_each_input_where_the_mma_operand_wants_it():
+    """fragment_pack (MidTiles.fragment's weight layout) and fragment_unpack are inverses, and the words are the
+    layout's definition built by hand: output n's inputs in blocks of 128, a block's word (t, c) at 4t + c,
+    its field (half, p1, p0) at bit 16 half + 8 p1 + 4 p0 holding input 32c + 16 half + 8 p1 + 2 t + p0."""
+    from engine.kernels.quant_gemm import fragment_pack, fragment_unpack
+
+    k, n = 256, 24
+    q = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    packed = pack_int32(q, 4, dim=0)
+    frag = fragment_pack(packed)
+    assert frag.shape == (n, k // 8) and frag.dtype == torch.int32
+    assert torch.equal(fragment_unpack(frag), packed)
+    for col, block, t, c in ((0, 0, 0, 0), (5, 1, 2, 3), (23, 1, 3, 1), (11, 0, 1, 2)):
+        word = 0
+        for half, p1, p0 in itertools.product((0, 1), repeat=3):
+            word |= int(q[128 * block + 32 * c + 16 * half + 8 * p1 + 2 * t + p0, col]) << (16 * half + 8 * p1 + 4 * p0)
+        assert int(frag[col, 16 * block + 4 * t + c]) & 0xFFFFFFFF == word
+    with pytest.raises(ValueError, match="blocks of 128"):
+        fragment_pack(packed[:8])
+
+
+@pytest.mark.parametrize("group, act_order", [(128, False), (32, True), (-1, False)])
+def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(group, act_order):
+    """The decode tl.dot kernel reading a 4-bit weight in the fragment layout (MidTiles.fragment) at 3..64 rows,
+    BLOCK_K 32 / 64 / 128, BLOCK_N 16 / 32 / 64 (a ragged last slice), K split 1..3 ways, the scale per step or
+    once per program, an act-order weight's inputs read through its permutation: the dequantized reference's
+    output, and bit for bit the plain layout's with the masked unpack (the same weights and products). The
+    knob is refused for 8 bits, the weight as first operand and K not in blocks of 128."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
+    from engine.kernels.quant_tiles import MidTiles
+    from engine.layers.linear import WeightOnlyLinear
+
+    k, n = 256, 40
+    g = torch.Generator().manual_seed(group + 7)
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // group
+    w = quantize_rtn(torch.randn(n, k, generator=g), 4, group, False, g_idx)
+    layer = WeightOnlyLinear(w, None, torch.float16).to(DEV)
+    frag = fragment_pack(layer.qweight)
+    rest = (layer.scales, layer.zeros, 4, w.group_size)
+    for m in (3, 16, 33, 64):
+        x = torch.randn(m, k, generator=g).half().to(DEV)
+        ref = x.cpu().float() @ w.dequantize().half().float()
+        bm = max(16, 1 << (m - 1).bit_length())
+        for bn, bk, split in ((16, 32, 3), (32, 128, 1), (64, 64, 2)):
+            if w.group_size % bk:
+                continue
+            config = MidTiles(bm, bn, bk, split, masked=True, fragment=True)
+            out = weight_only_matmul(x, frag, *rest, config=config, counters=layer.counters, perm=layer.perm)
+            torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2, msg=f"{m} rows, {config}")
+            assert not layer.counters.any(), config
+            plain = dataclasses.replace(config, fragment=False)
+            again = weight_only_matmul(x, layer.qweight, *rest, config=plain, counters=layer.counters, perm=layer.perm)
+            assert torch.equal(again, out), config
+    x = torch.randn(16, k, generator=g).half().to(DEV)
+    for bad in (MidTiles(16, 32, 64, 1, trans=True, fragment=True), MidTiles(16, 32, 16, 1, fragment=True)):
+        with pytest.raises(ValueError, match="fragment"):
+            weight_only_matmul(x, frag, *rest, config=bad, perm=layer.perm)
+    w8 = quantize_rtn(torch.randn(n, k, generator=g), 8, 64, False, None)
+    layer8 = WeightOnlyLinear(w8, None, torch.float16).to(DEV)
+    with pytest.raises(ValueError, match="4-bit"):
+        weight_only_matmul(x, layer8.qweight.view(n, -1), layer8.scales, layer8.zeros, 8, 64,
+                           config=MidTiles(16, 32, 64, 1, fragment=True))  # fmt: skip
+
+
 def test_mid_sweep_candidates_are_valid_and_breadth_first():
     """Every candidate of the H100 sweep tiles its 8B shape; the first ones are all different kernels (a sweep
     cut by its budget has tried each kind), widest first, in the same order for every shape."""
@@ -619,6 +688,47 @@ def _compile_for_sm90(code: str) -> str:
     return done.stdout
 
 
+def _w4_table_twins_sass(variant: str, fields: str) -> list[tuple[list[str], list[str]]]:
+    """MID_TABLE's W4 g128 tiles at 16 rows (the 8B's four shapes) compiled for sm_90 twice each, as
+    replace(tiles, <variant>) with `twin` False and True: per shape the two lines (K, N, twin, instructions per
+    weight and thread, then the Python expressions `fields` of the kernel and its loop's opcodes `ops`)."""
+    code = (
+        "from dataclasses import replace\n"
+        "from bench.quant_sass import per_weight\n"
+        "from engine.kernels.quant_tiles import MID_TABLE\n"
+        "for (bits, k, n, m), t in MID_TABLE.items():\n"
+        "    if bits == 4 and m == 16:\n"
+        "        for twin in (False, True):\n"
+        "            cost, kernel, ops = per_weight(4, replace(t, " + variant + "), k, n, 128)\n"
+        "            print(k, n, int(twin), cost, " + fields + ")\n"
+    )
+    lines = [line.split() for line in _compile_for_sm90(code).splitlines()]
+    assert len(lines) == 8
+    for old, new in zip(lines[::2], lines[1::2]):
+        assert old[:2] == new[:2] and (old[2], new[2]) == ("0", "1")
+    return list(zip(lines[::2], lines[1::2]))
+
+
+def test_decode_dot_kernel_fragment_layout_compiles_for_sm90_without_the_shared_memory_trip():
+    """MID_TABLE's W4 g128 tiles at 16 rows (the 8B's four shapes), the weight as tl.dot's second operand, compile
+    for sm_90 without a GPU (Triton and the ptxas of its wheel). In the plain layout the unpacked tile reaches
+    mma.sync through shared memory every step (64 to 128 2-byte STS a thread, read back by LDSM); in the
+    fragment layout (MidTiles.fragment) the TTGIR's reshape yields the dot operand's layout itself (no
+    local_alloc of it), so the loop has no STS, its LDSM are the activations' alone (fewer than the plain
+    layout's), it keeps the cp.async copies (LDGSTS) of the raw words, spills nothing, needs at most half the
+    shared memory and issues fewer instructions per weight and thread: with Triton 3.9, 5.31 to 5.75 against
+    6.22 to 7.05 (the weight as first operand, masked: 5.09 to 6.31)."""
+    operand = "'bf16, #ttg.dot_op<{opIdx = 1'"
+    direct = "int(any('tt.reshape' in x and " + operand + " in x for x in kernel.asm['ttgir'].splitlines()))"
+    fields = "ops['HMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared, ops['STS'], ops['LDSM'], ops['LDGSTS'], "
+    for old, new in _w4_table_twins_sass("trans=False, masked=True, fragment=twin", fields + direct):
+        assert float(new[3]) < float(old[3]) - 0.4, (old, new)
+        assert int(old[7]) >= 64 and int(new[7]) == 0, (old, new)  # the unpacked tile's shared stores
+        assert int(new[8]) < int(old[8]) and int(new[9]) > 0, (old, new)
+        assert int(new[4]) > 0 and int(new[5]) == 0 and 2 * int(new[6]) <= int(old[6]), new
+        assert (old[10], new[10]) == ("0", "1"), (old, new)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, m", [(4, 16), (4, 64), (8, 16), (8, 64)])
 def test_decode_dot_kernel_default_tiles_compile_for_sm90_in_few_instructions(bits, m):
@@ -645,20 +755,8 @@ def test_decode_dot_kernel_masked_unpack_compiles_for_sm90_in_fewer_instructions
     (a shift, an extract, an OR, a subtraction), with no spills, on wgmma (HGMMA) and with the same shared
     memory: with Triton 3.6 / 3.9, 4.65-5.77 / 4.95-6.33 against 5.96-6.77 / 6.02-7.00 (the weight as second
     operand, MID_TABLE's choice today, 7.70-8.09 / 7.18-7.72, with a 2-byte shared store per weight)."""
-    code = (
-        "from dataclasses import replace\n"
-        "from bench.quant_sass import per_weight\n"
-        "from engine.kernels.quant_tiles import MID_TABLE\n"
-        "for (bits, k, n, m), t in MID_TABLE.items():\n"
-        "    if bits == 4 and m == 16:\n"
-        "        for masked in (False, True):\n"
-        "            cost, kernel, ops = per_weight(4, replace(t, trans=True, masked=masked), k, n, 128)\n"
-        "            print(k, n, int(masked), cost, ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared)\n"
-    )
-    lines = [line.split() for line in _compile_for_sm90(code).splitlines()]
-    assert len(lines) == 8
-    for old, new in zip(lines[::2], lines[1::2]):
-        assert old[:2] == new[:2] and (old[2], new[2]) == ("0", "1")
+    fields = "ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared"
+    for old, new in _w4_table_twins_sass("trans=True, masked=twin", fields):
         assert float(new[3]) < min(6.5, float(old[3]) - 0.4), (old, new)
         assert int(new[4]) > 0 and int(new[5]) == 0 and new[6] == old[6], new
 
@@ -868,9 +966,10 @@ def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
 def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
     """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 20 / 33 / 64 rows: the default tiles
     (20 rows: the rule's) and candidates of the sweep's grid, one counter array shared by all launches as a layer
-    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit."""
+    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit, and
+    for 4 bits the fragment layout's candidates (MidTiles.fragment) the plain layout's masked output."""
     from bench.quant_gpu import SHAPES, mid_candidates
-    from engine.kernels.quant_gemm import weight_only_matmul
+    from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
 
     for k, n in SHAPES:
         w = quantize_rtn(torch.randn(n, k, device="cuda"), bits, group)
@@ -887,6 +986,13 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                 if config is not None:
                     twin = dataclasses.replace(config, masked=not config.masked)
                     assert torch.equal(weight_only_matmul(x, *args, config=twin, counters=counters).float(), out)
+            if bits == 4:  # the fragment layout's tiles: the plain layout's masked output bit for bit
+                frag_args = (fragment_pack(args[0]), *args[1:])
+                for config in [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment][::9]:
+                    out = weight_only_matmul(x, *frag_args, config=config, counters=counters)
+                    plain = dataclasses.replace(config, fragment=False)
+                    assert torch.equal(weight_only_matmul(x, *args, config=plain, counters=counters), out), config
+                    assert not counters.any(), config
 
 
 # ----- W8A8 kernels (engine/kernels/w8a8.py) -----

@@ -202,12 +202,40 @@ def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl
 
 
 @triton.jit
+def _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile q - z (z [BLOCK_N]) of a 4-bit weight in the fragment layout (fragment_pack) at
+    inputs k0.. (BLOCK_K 32, 64 or 128, k0 a multiple of it), unpacked masked (_field) into the layout of
+    tl.dot's second operand for mma.sync (m16n8k16) as it is loaded: a thread's C = BLOCK_K / 32 words of an
+    output column are contiguous (one 8- or 16-byte load), the 4 lanes of a quad take the 4 words of a 32-input
+    chunk, the 8 quads of a warp 8 columns, the warps the next columns. Field (half, p1, p0) of word t of chunk
+    c is input 32c + 16 half + 8 p1 + 2 t + p0: one register bit under the lane bits and the rest above, as
+    the operand wants, so the fields are joined (register dimensions) and permuted into [BLOCK_K, BLOCK_N]
+    with no layout conversion (no shared-memory round trip of the unpacked tile; Triton 3.6 / 3.9 infer the
+    operand layout through the joins, the permute and the reshape)."""
+    C: tl.constexpr = BLOCK_K // 32
+    base = tl.multiple_of((k0 // 128) * 16 + (k0 % 128) // 32, C)  # k0's 128-input block, then its chunk
+    offs = offs_n[:, None, None] * sqn + base + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, C)[None, None, :]
+    words = tl.load(qw_ptr + offs, mask=mask_n[:, None, None], other=0)  # [BLOCK_N, 4 (t), C]
+    zc = z[:, None, None]
+    lo = tl.join(
+        tl.join(_field(words, 0, 4, zc, dtype, True), _field(words, 1, 4, zc, dtype, True)),
+        tl.join(_field(words, 2, 4, zc, dtype, True), _field(words, 3, 4, zc, dtype, True)),
+    )
+    hi = tl.join(
+        tl.join(_field(words, 4, 4, zc, dtype, True), _field(words, 5, 4, zc, dtype, True)),
+        tl.join(_field(words, 6, 4, zc, dtype, True), _field(words, 7, 4, zc, dtype, True)),
+    )
+    w = tl.permute(tl.join(lo, hi), (2, 5, 4, 1, 3, 0))  # [n, t, c, p0, p1, half] -> [c, half, p1, t, p0, n]
+    return tl.reshape(w, (BLOCK_K, w.shape[5]))
+
+
+@triton.jit
 def _mid_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, sxm, sxk, span, SPLIT, GROUP,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
-    PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr, sqn,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
@@ -216,7 +244,8 @@ def _mid_kernel(
     the prompt kernel does, costs ~2.5x the instructions per weight on sm_90). SCALE_AT_END: the program's
     whole span lies in one group, so its scale multiplies the sum once. MASKED: the fields unpacked as the GEMV
     does (_field: an AND and an FMA a field where shifting it out costs a shift, an extract, an OR and
-    a subtraction)."""
+    a subtraction). FRAGMENT: a 4-bit weight in the fragment layout ([N, K / 8], row stride sqn; not TRANS),
+    unpacked masked straight into tl.dot's operand layout (_fragment_tile)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -251,6 +280,13 @@ def _mid_kernel(
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
             else:
                 acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
+        elif FRAGMENT:
+            a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
+            w = _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K, a.dtype)
+            if SCALE_AT_END:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            else:
+                acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]
         else:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
             words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
@@ -515,12 +551,15 @@ def weight_only_matmul(
     order when given (an act-order weight's rows sorted by group: the GEMV and the decode tl.dot kernel read
     them so, the prompt kernel gets them gathered). `config` overrides the tiles (bench/quant_gpu.py --sweep
     times candidates) and so the kernel: GemvTiles the GEMV, MidTiles the decode tl.dot kernel (M <=
-    block_m), Tiles the prompt kernel. `counters`: zeroed int32, one per output slice of a split kernel (N /
-    16 serve every tile), that a split launch leaves zeroed; WeightOnlyLinear owns one so a decode step
-    allocates none."""
+    block_m), Tiles the prompt kernel. MidTiles with `fragment` take the weight in the fragment layout
+    (fragment_pack of the packed weight: [N, K / 8]), every other kernel the packed [K * bits / 32, N].
+    `counters`: zeroed int32, one per output slice of a split kernel (N / 16 serve every tile), that a split
+    launch leaves zeroed; WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
-    n = qweight.shape[1]
-    assert qweight.shape[0] * (32 // bits) == k and scales.shape == zeros.shape == (-(-k // group_size), n)
+    fragment = isinstance(config, MidTiles) and config.fragment
+    n = qweight.shape[0 if fragment else 1]
+    assert qweight.shape[1 if fragment else 0] * (32 // bits) == k
+    assert scales.shape == zeros.shape == (-(-k // group_size), n)
     if config is None:
         num_sms = _num_sms(x.device)
         if 0 < m <= GEMV_MAX_M[bits]:
@@ -575,9 +614,11 @@ def _split_buffers(
 def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters, perm) -> torch.Tensor:
     """One launch of the decode tl.dot kernel: one program per output slice and span of K covers every row."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = qweight.shape[0 if config.fragment else 1]
     config.check(k, group_size)
     assert m <= config.block_m, f"{config} covers {config.block_m} rows, not {m}"
+    if config.fragment and bits != 4:
+        raise ValueError(f"{config}: the fragment layout packs 4-bit weights only, not {bits}-bit")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -589,9 +630,34 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
         m, n, k, x.stride(0), x.stride(1), span, split, group_size,
         BITS=bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
-        PRECISION=_precision(x), MASKED=config.masked, num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment, sqn=qweight.stride(0),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def fragment_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """A 4-bit weight packed [K / 8, N] (pack_int32 along K) -> the fragment layout the decode tl.dot kernel reads
+    with MidTiles.fragment: [N, K / 8] int32, each output's inputs in blocks of 128 (K a multiple of 128), a
+    block's 16 words in order (t, c) for t, c < 4, field (half, p1, p0) (bits 16 half + 8 p1 + 4 p0) of word
+    (t, c) holding input 32c + 16 half + 8 p1 + 2 t + p0 (_fragment_tile: the operand's layout of mma.sync)."""
+    from engine.quant import pack_int32, unpack_int32
+
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if k % 128:
+        raise ValueError(f"the fragment layout takes K in blocks of 128, not K={k}")
+    q = unpack_int32(qweight, 4, dim=0).view(k // 128, 4, 2, 2, 4, 2, n)  # [block, c, half, p1, t, p0, n]
+    q = q.permute(6, 0, 4, 1, 2, 3, 5).reshape(n, k)  # [n, block, t, c, half, p1, p0]
+    return pack_int32(q, 4, dim=1)
+
+
+def fragment_unpack(words: torch.Tensor) -> torch.Tensor:
+    """fragment_pack's inverse: the fragment layout [N, K / 8] -> the packed [K / 8, N]."""
+    from engine.quant import pack_int32, unpack_int32
+
+    n, k = words.shape[0], words.shape[1] * 8
+    q = unpack_int32(words, 4, dim=1).view(n, k // 128, 4, 4, 2, 2, 2)  # [n, block, t, c, half, p1, p0]
+    return pack_int32(q.permute(1, 3, 4, 5, 2, 6, 0).reshape(k, n), 4, dim=0)
 
 
 def gemv_scales(bits: int, k: int, group_size: int, span: int, block_kw: int) -> int:
