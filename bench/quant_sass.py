@@ -113,8 +113,8 @@ def main() -> None:
         if bits not in args.bits or m not in args.rows:
             continue
         group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
-        kinds = [(trans, masked, False) for trans, masked in itertools.product((False, True), repeat=2)]
-        for trans, masked, fragment in kinds + ([(False, True, True)] if bits == 4 else []):
+        kinds = [(trans, masked, 0) for trans, masked in itertools.product((False, True), repeat=2)]
+        for trans, masked, fragment in kinds + ([(False, True, 2), (False, True, 4)] if bits == 4 else []):
             tiles = replace(listed, trans=trans, masked=masked, fragment=fragment)
             try:
                 cost, kernel, ops = per_weight(bits, tiles, k, n, group, args.arch)

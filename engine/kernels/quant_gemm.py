@@ -202,7 +202,9 @@ def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl
 
 
 @triton.jit
-def _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+def _fragment_tile(
+    qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dtype: tl.constexpr, KWIDTH: tl.constexpr
+):
     """The [BLOCK_K, BLOCK_N] tile q - z (z [BLOCK_N]) of a 4-bit weight in the fragment layout (fragment_pack) at
     inputs k0.. (BLOCK_K 32, 64 or 128, k0 a multiple of it), unpacked masked (_field) into the layout of
     tl.dot's second operand for mma.sync (m16n8k16) as it is loaded: a thread's C = BLOCK_K / 32 words of an
@@ -213,7 +215,8 @@ def _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dt
     with no layout conversion (no shared-memory round trip of the unpacked tile; Triton 3.6 / 3.9 infer the
     operand layout through the joins, the permute and the reshape)."""
     C: tl.constexpr = BLOCK_K // 32
-    base = tl.multiple_of((k0 // 128) * 16 + (k0 % 128) // 32, C)  # k0's 128-input block, then its chunk
+    # k0's 128-input block, then its chunk: a multiple of C by construction, so the words load as one vector
+    base = (k0 // 128) * 16 + ((k0 // BLOCK_K) % (128 // BLOCK_K)) * C
     offs = offs_n[:, None, None] * sqn + base + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, C)[None, None, :]
     words = tl.load(qw_ptr + offs, mask=mask_n[:, None, None], other=0)  # [BLOCK_N, 4 (t), C]
     zc = z[:, None, None]
@@ -225,17 +228,21 @@ def _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dt
         tl.join(_field(words, 4, 4, zc, dtype, True), _field(words, 5, 4, zc, dtype, True)),
         tl.join(_field(words, 6, 4, zc, dtype, True), _field(words, 7, 4, zc, dtype, True)),
     )
-    w = tl.permute(tl.join(lo, hi), (2, 5, 4, 1, 3, 0))  # [n, t, c, p0, p1, half] -> [c, half, p1, t, p0, n]
+    w = tl.join(lo, hi)  # [n, t, c, p0, p1, half]
+    if KWIDTH == 2:  # k = 32c + 16 half + 8 p1 + 2t + p0
+        w = tl.permute(w, (2, 5, 4, 1, 3, 0))
+    else:  # k = 32c + 16 half + 4t + 2 p1 + p0
+        w = tl.permute(w, (2, 5, 1, 4, 3, 0))
     return tl.reshape(w, (BLOCK_K, w.shape[5]))
 
 
 @triton.jit
 def _mid_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, sxm, sxk, span, SPLIT, GROUP,
+    M, N, K, sxm, sxk, span, SPLIT, GROUP, sqn,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
-    PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr, sqn,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
@@ -282,7 +289,7 @@ def _mid_kernel(
                 acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
         elif FRAGMENT:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
-            w = _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K, a.dtype)
+            w = _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K, a.dtype, FRAGMENT)
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
@@ -627,37 +634,46 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     part, counters = _split_buffers(split, config.block_m, n, slices, counters, x.device)
     _mid_kernel[(slices, split)](
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
-        m, n, k, x.stride(0), x.stride(1), span, split, group_size,
+        m, n, k, x.stride(0), x.stride(1), span, split, group_size, qweight.stride(0),
         BITS=bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
-        PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment, sqn=qweight.stride(0),
+        PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
 
-def fragment_pack(qweight: torch.Tensor) -> torch.Tensor:
+# The order of a 128-input block's fields in fragment_pack's layout, per kWidth: the (c, half, t, p1, p0) of input
+# k as the dimensions its [4, 2, 2 or 4, 4 or 2, 2] view takes them, and where they go in [t, c, half, p1, p0].
+_FRAGMENT_VIEW = {2: ((4, 2, 2, 4, 2), (6, 0, 4, 1, 2, 3, 5)), 4: ((4, 2, 4, 2, 2), (6, 0, 3, 1, 2, 4, 5))}
+
+
+def fragment_pack(qweight: torch.Tensor, kwidth: int = 2) -> torch.Tensor:
     """A 4-bit weight packed [K / 8, N] (pack_int32 along K) -> the fragment layout the decode tl.dot kernel reads
-    with MidTiles.fragment: [N, K / 8] int32, each output's inputs in blocks of 128 (K a multiple of 128), a
-    block's 16 words in order (t, c) for t, c < 4, field (half, p1, p0) (bits 16 half + 8 p1 + 4 p0) of word
-    (t, c) holding input 32c + 16 half + 8 p1 + 2 t + p0 (_fragment_tile: the operand's layout of mma.sync)."""
+    with MidTiles.fragment = kwidth: [N, K / 8] int32, each output's inputs in blocks of 128 (K a multiple of
+    128), a block's 16 words in order (t, c) for t, c < 4, field (half, p1, p0) (bits 16 half + 8 p1 + 4 p0) of
+    word (t, c) holding input 32c + 16 half + 8 p1 + 2t + p0 (kwidth 2) or 32c + 16 half + 4t + 2 p1 + p0 (4):
+    the inputs a thread holds of mma.sync's second operand in the layout Triton gives it (kWidth 2: Triton
+    3.9; 4: Triton 3.6), _fragment_tile."""
     from engine.quant import pack_int32, unpack_int32
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if k % 128:
         raise ValueError(f"the fragment layout takes K in blocks of 128, not K={k}")
-    q = unpack_int32(qweight, 4, dim=0).view(k // 128, 4, 2, 2, 4, 2, n)  # [block, c, half, p1, t, p0, n]
-    q = q.permute(6, 0, 4, 1, 2, 3, 5).reshape(n, k)  # [n, block, t, c, half, p1, p0]
-    return pack_int32(q, 4, dim=1)
+    view, order = _FRAGMENT_VIEW[kwidth]
+    q = unpack_int32(qweight, 4, dim=0).view(k // 128, *view, n)
+    return pack_int32(q.permute(order).reshape(n, k), 4, dim=1)  # [n, block, t, c, half, p1, p0]
 
 
-def fragment_unpack(words: torch.Tensor) -> torch.Tensor:
+def fragment_unpack(words: torch.Tensor, kwidth: int = 2) -> torch.Tensor:
     """fragment_pack's inverse: the fragment layout [N, K / 8] -> the packed [K / 8, N]."""
     from engine.quant import pack_int32, unpack_int32
 
     n, k = words.shape[0], words.shape[1] * 8
-    q = unpack_int32(words, 4, dim=1).view(n, k // 128, 4, 4, 2, 2, 2)  # [n, block, t, c, half, p1, p0]
-    return pack_int32(q.permute(1, 3, 4, 5, 2, 6, 0).reshape(k, n), 4, dim=0)
+    view, order = _FRAGMENT_VIEW[kwidth]
+    q = unpack_int32(words, 4, dim=1).view(n, k // 128, *(view[i - 1] for i in order[2:]))
+    back = [order.index(i) for i in range(len(order))]
+    return pack_int32(q.permute(back).reshape(k, n), 4, dim=0)
 
 
 def gemv_scales(bits: int, k: int, group_size: int, span: int, block_kw: int) -> int:

@@ -34,21 +34,24 @@ class MidTiles(Tiles):
     outputs, BLOCK_K inputs a step, K split over at most `split` programs. `trans`: compute out^T = W^T x^T,
     the dequantized weight as tl.dot's first operand (on sm_90 wgmma reads it from registers). `masked`: unpack
     a field with one AND and one FMA from half words ORed into 2**23 once (the GEMV's way), not with a shift,
-    an extract, an OR and a subtraction. `fragment`: the 4-bit weight repacked (quant_gemm.fragment_pack) so
-    that the words a thread loads unpack, masked, into the registers of tl.dot's second operand for mma.sync
-    (no trip of the unpacked tile through shared memory); not with `trans`, K in blocks of 128, BLOCK_K 32
-    to 128. The caller passes the weight in that layout."""
+    an extract, an OR and a subtraction. `fragment` (2 or 4; 0: off): the 4-bit weight repacked
+    (quant_gemm.fragment_pack with this kwidth) so that the words a thread loads unpack, masked, into the
+    registers of tl.dot's second operand for mma.sync as Triton lays it out (kWidth 2 with Triton 3.9, 4
+    with 3.6): no trip of the unpacked tile through shared memory; not with `trans`, K in blocks of 128,
+    BLOCK_K 32 to 128. The caller passes the weight in that layout."""
 
     trans: bool = False
     masked: bool = False
-    fragment: bool = False
+    fragment: int = 0
 
     def check(self, k: int, group: int) -> None:
         # Any split: the kernel's spans are whole steps, the last one shorter.
         if group % self.block_k or k % self.block_k or self.block_m < 16:
             raise ValueError(f"{self} does not tile K={k} in groups of {group}")
-        if self.fragment and (self.trans or k % 128 or self.block_k not in (32, 64, 128)):
-            raise ValueError(f"{self}: the fragment layout takes K in blocks of 128, BLOCK_K 32 to 128, not trans")
+        if self.fragment and (
+            self.trans or k % 128 or self.block_k not in (32, 64, 128) or self.fragment not in (2, 4)
+        ):
+            raise ValueError(f"{self}: the fragment layout takes kWidth 2 or 4, K in blocks of 128, BLOCK_K 32-128")
 
 
 @dataclass(frozen=True)
