@@ -207,8 +207,8 @@ def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragm
     for about two programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in
     one order for every shape (later shapes reuse the compiled kernels), widest first, then by operand kind
     as bench/quant_sass.py ranks them on sm_90 (W4 g128 at 16 rows, MID_TABLE's tiles, instructions per weight
-    and thread with Triton 3.6: the weight first and masked 4.7 to 5.8, shifted 6.0 to 6.8; second 6.1 to 6.8
-    and 7.7 to 8.1; the fragment layout 5.8 to 6.0 with Triton 3.6, 5.3 to 5.5 with 3.9)."""
+    and thread with Triton 3.6: the weight first, masked 4.5 to 5.5, shifted 5.8 to 6.5; the fragment layout 5.7
+    to 5.8 (5.0 to 5.1 with Triton 3.9); the weight second, masked 6.1 to 6.6, shifted 7.4 to 7.9)."""
     from engine.kernels.quant_tiles import MidTiles
 
     bm = max(16, 1 << (m - 1).bit_length())
