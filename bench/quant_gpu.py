@@ -207,14 +207,16 @@ def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragm
     for about two programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in
     one order for every shape (later shapes reuse the compiled kernels), widest first, then by operand kind
     as bench/quant_sass.py ranks them on sm_90 (W4 g128 at 16 rows, MID_TABLE's tiles, instructions per weight
-    and thread with Triton 3.6: the weight first, masked 4.5 to 5.5, shifted 5.8 to 6.5; the fragment layout 5.7
-    to 5.8 (5.0 to 5.1 with Triton 3.9); the weight second, masked 6.1 to 6.6, shifted 7.4 to 7.9)."""
+    and thread with Triton 3.6: the weight first in the fragment layout 4.4 to 4.8, masked 4.5 to 5.5, shifted
+    5.8 to 6.5; the weight second in the fragment layout 5.7 to 5.8 (5.0 to 5.1 with Triton 3.9), masked 6.1
+    to 6.6, shifted 7.4 to 7.9)."""
     from engine.kernels.quant_tiles import MidTiles
 
     bm = max(16, 1 << (m - 1).bit_length())
     kinds = [(True, True, 0), (True, False, 0), (False, True, 0), (False, False, 0)]
-    if fragment:  # for mma.sync's operand with kWidth 2 (Triton 3.9) or 4 (Triton 3.6)
-        kinds[1:1] = [(False, True, 4), (False, True, 2)]
+    if fragment:  # wgmma's first operand; mma.sync's second with kWidth 4 (Triton 3.6) or 2 (Triton 3.9)
+        kinds[0:0] = [(True, True, 2)]
+        kinds[2:2] = [(False, True, 4), (False, True, 2)]
     kernels = [
         (bn, bk, nw, ns, *kind)
         for bn in (256, 128, 64, 32)
@@ -222,7 +224,7 @@ def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragm
         for nw in (4, 8)
         for bk in (128, 64)
         for ns in (3, 4)
-        if group % bk == 0 and k % bk == 0 and bm * bn // (32 * nw) <= 64
+        if group % bk == 0 and k % bk == 0 and bm * bn // (32 * nw) <= 64 and not (kind[0] and kind[2] and bk < 64)
     ]
     return _split_breadth_first(kernels, n, k, num_sms, lambda split, bn, bk, *rest: MidTiles(bm, bn, bk, split, *rest))
 
@@ -261,7 +263,19 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     entries = []
     for bits, group, m in combos:
         totals = dict.fromkeys(
-            ("bf16", "prompt", "gemv1", "default", "masked", "trans_masked", "fragment2", "fragment4", "best"), 0.0
+            (
+                "bf16",
+                "prompt",
+                "gemv1",
+                "default",
+                "masked",
+                "trans_masked",
+                "fragment2",
+                "fragment4",
+                "T fragment2",
+                "best",
+            ),
+            0.0,
         )
         for k, n in shapes:
             stop = time.monotonic() + max(0.0, deadline - time.monotonic()) / left
@@ -271,15 +285,16 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             iw = quantize_rtn(w, bits, group)
             args = (pack_int32(iw.q, bits, 0), iw.scales.to(dtype), iw.zeros.to(dtype), bits, iw.group_size)
             fragment = bits == 4 and k % 128 == 0  # the fragment layout's tiles read the weight repacked
-            frag_args = {kw: (fragment_pack(args[0], kw), *args[1:]) for kw in ((2, 4) if fragment else ())}
+            layouts = ((2, False), (4, False), (2, True)) if fragment else ()
+            frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
             nbytes = sum(t.numel() * t.element_size() for t in args[:3])
             counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
             x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
             ref = F.linear(x, iw.dequantize().t().to(dtype)).float()
             default = mid_tiles(bits, m, n, k, iw.group_size, sms)
             twins = {"masked": replace(default, masked=True), "trans_masked": replace(default, trans=True, masked=True)}
-            for kw in frag_args:
-                twins[f"fragment{kw}"] = replace(default, trans=False, masked=True, fragment=kw)
+            for kw, trans in frag_args:
+                twins[f"{'T ' if trans else ''}fragment{kw}"] = replace(default, trans=trans, masked=True, fragment=kw)
             first = list(dict.fromkeys([default, *twins.values()]))
             timed, failed = {}, []
             more = mid_candidates(m, n, k, iw.group_size, sms, fragment)
@@ -288,16 +303,15 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 if config not in first and time.monotonic() > stop:
                     break
                 try:  # a kernel this Triton fails to compile (a crash seen on sm_90 in some versions) is skipped
-                    got = weight_only_matmul(x, *frag_args.get(config.fragment, args), config=config,
-                                             counters=counters).float()  # fmt: skip
+                    weight = frag_args.get((config.fragment, config.trans), args)
+                    got = weight_only_matmul(x, *weight, config=config, counters=counters).float()
                 except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type
                     failed.append((repr(config), str(e).strip().splitlines()[-1][:200] if str(e).strip() else repr(e)))
                     print(f"mid w{bits} K={k:5} N={n:5} m={m:2}  failed to compile or run: {config!r}: {failed[-1][1]}")
                     continue
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n} m={m}: relative error {err}"
-                timed[config] = _time(partial(weight_only_matmul, x, *frag_args.get(config.fragment, args),
-                                              config=config, counters=counters))  # fmt: skip
+                timed[config] = _time(partial(weight_only_matmul, x, *weight, config=config, counters=counters))
             if not timed:
                 _emit(out, {"sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "failed": failed},
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
@@ -330,7 +344,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
                             f"{us['default']:7.1f} (masked {us['masked']:7.1f}, T masked {us['trans_masked']:7.1f}, "
                             f"fragment {us.get('fragment2', float('nan')):7.1f} / "
-                            f"{us.get('fragment4', float('nan')):7.1f}) "
+                            f"{us.get('fragment4', float('nan')):7.1f}, "
+                            f"T fragment {us.get('T fragment2', float('nan')):7.1f}) "
                             f"| prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
                             f"| bf16 {us['bf16']:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}, {best.block_m}): {best!r},")
@@ -340,7 +355,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
         _emit(out, summary, f"mid w{bits} layer at m={m}: bf16 {totals['bf16']:.1f} us, prompt kernel "
                             f"{totals['prompt']:.1f}, default {totals['default']:.1f} (masked {totals['masked']:.1f}, "
                             f"T masked {totals['trans_masked']:.1f}, fragment {totals['fragment2']:.1f} / "
-                            f"{totals['fragment4']:.1f}), "
+                            f"{totals['fragment4']:.1f}, T fragment {totals['T fragment2']:.1f}), "
                             f"best {totals['best']:.1f}, "
                             f"GEMV at m=1 {totals['gemv1']:.1f} (best / GEMV m=1 = "
                             f"{totals['best'] / totals['gemv1']:.2f}x; shapes that failed count 0)")  # fmt: skip

@@ -6,7 +6,7 @@ shared memory), so the count per weight and thread ranks tiles before a GPU does
     python -m bench.quant_sass [--bits 4 8] [--rows 16 64] [--arch 90]
 
 Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked), and for 4 bits
-the fragment layout (fragment: the weight second, its unpacked tile in the operand's registers), at its shape,
+the fragment layouts (fragment: the unpacked tile in the operand's registers, either order), at its shape,
 the main loop's instructions per weight per thread, shared memory, spills, the loop's shared-memory traffic
 (STS / LDS / LDSM, barriers, LDGSTS: cp.async copies of the pipeliner) and top opcodes.
 """
@@ -114,7 +114,9 @@ def main() -> None:
             continue
         group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
         kinds = [(trans, masked, 0) for trans, masked in itertools.product((False, True), repeat=2)]
-        for trans, masked, fragment in kinds + ([(False, True, 2), (False, True, 4)] if bits == 4 else []):
+        for trans, masked, fragment in kinds + (
+            [(False, True, 2), (False, True, 4), (True, True, 2)] if bits == 4 else []
+        ):
             tiles = replace(listed, trans=trans, masked=masked, fragment=fragment)
             try:
                 cost, kernel, ops = per_weight(bits, tiles, k, n, group, args.arch)

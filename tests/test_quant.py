@@ -568,7 +568,7 @@ def test_fragment_layout_round_trips_and_places_each_input_where_the_mma_operand
     mma.sync's operand with kWidth 2, 32c + 16 half + 4t + 2 p1 + p0 with kWidth 4."""
     from engine.kernels.quant_gemm import fragment_pack, fragment_unpack
 
-    k, n = 256, 24
+    k, n = 256, 32
     q = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
     packed = pack_int32(q, 4, dim=0)
     for kwidth, t_at, p1_at in ((2, 2, 8), (4, 4, 2)):
@@ -581,8 +581,22 @@ def test_fragment_layout_round_trips_and_places_each_input_where_the_mma_operand
                 row = 128 * block + 32 * c + 16 * half + p1_at * p1 + t_at * t + p0
                 word |= int(q[row, col]) << (16 * half + 8 * p1 + 4 * p0)
             assert int(frag[col, 16 * block + 4 * t + c]) & 0xFFFFFFFF == word, (kwidth, col, block, t, c)
+    frag = fragment_pack(
+        packed, 2, trans=True
+    )  # per 16 outputs and 64 inputs: word (r, t, r8, c) at 16r + 4t + 2r8 + c
+    assert frag.shape == (n, k // 8) and torch.equal(fragment_unpack(frag, 2, trans=True), packed)
+    flat = frag.flatten()
+    for group, block, r, t, r8, c in ((0, 0, 0, 0, 0, 0), (1, 3, 7, 2, 0, 1), (0, 2, 3, 3, 1, 0), (1, 1, 5, 1, 1, 1)):
+        word = 0
+        for half, p1, p0 in itertools.product((0, 1), repeat=3):
+            row, col = 64 * block + 32 * c + 16 * half + 8 * p1 + 2 * t + p0, 16 * group + 8 * r8 + r
+            word |= int(q[row, col]) << (16 * half + 8 * p1 + 4 * p0)
+        at = (group * (k // 64) + block) * 128 + 16 * r + 4 * t + 2 * r8 + c
+        assert int(flat[at]) & 0xFFFFFFFF == word, (group, block, r, t, r8, c)
     with pytest.raises(ValueError, match="blocks of 128"):
         fragment_pack(packed[:8])
+    with pytest.raises(ValueError, match="N of 16"):
+        fragment_pack(packed[:, :20], 2, trans=True)
 
 
 @pytest.mark.parametrize("group, act_order", [(128, False), (32, True), (-1, False)])
@@ -590,14 +604,15 @@ def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(gro
     """The decode tl.dot kernel reading a 4-bit weight in the fragment layout (MidTiles.fragment) at 3..64 rows,
     BLOCK_K 32 / 64 / 128, BLOCK_N 16 / 32 / 64 (a ragged last slice), K split 1..3 ways, the scale per step or
     once per program, an act-order weight's inputs read through its permutation: the dequantized reference's
-    output, and bit for bit the plain layout's with the masked unpack (the same weights and products). The
-    knob is refused for 8 bits, the weight as first operand and K not in blocks of 128."""
+    output, and bit for bit the plain layout's with the masked unpack (the same weights and products); either
+    operand order (the trans layout for wgmma's first operand, BLOCK_K 64 / 128). The knob is refused for 8
+    bits, kWidths and K steps a layout does not take."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
     from engine.kernels.quant_tiles import MidTiles
     from engine.layers.linear import WeightOnlyLinear
 
-    k, n = 256, 40
+    k, n = 256, 48
     g = torch.Generator().manual_seed(group + 7)
     g_idx = None
     if act_order:
@@ -605,27 +620,30 @@ def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(gro
         g_idx[torch.randperm(k, generator=g)] = torch.arange(k, dtype=torch.int32) // group
     w = quantize_rtn(torch.randn(n, k, generator=g), 4, group, False, g_idx)
     layer = WeightOnlyLinear(w, None, torch.float16).to(DEV)
-    frags = {kw: fragment_pack(layer.qweight, kw) for kw in (2, 4)}
+    frags = {(kw, False): fragment_pack(layer.qweight, kw) for kw in (2, 4)}
+    frags[2, True] = fragment_pack(layer.qweight, 2, trans=True)
     rest = (layer.scales, layer.zeros, 4, w.group_size)
     for m in (3, 16, 33, 64):
         x = torch.randn(m, k, generator=g).half().to(DEV)
         ref = x.cpu().float() @ w.dequantize().half().float()
         bm = max(16, 1 << (m - 1).bit_length())
-        for (bn, bk, split), kw in itertools.product(((16, 32, 3), (32, 128, 1), (64, 64, 2)), (2, 4)):
-            if w.group_size % bk:
+        kinds = [(False, 2), (False, 4), (True, 2)]
+        for (bn, bk, split), (trans, kw) in itertools.product(((16, 32, 3), (32, 128, 1), (64, 64, 2)), kinds):
+            if w.group_size % bk or (trans and bk == 32):
                 continue
-            config = MidTiles(bm, bn, bk, split, masked=True, fragment=kw)
-            out = weight_only_matmul(x, frags[kw], *rest, config=config, counters=layer.counters, perm=layer.perm)
+            config = MidTiles(bm, bn, bk, split, trans=trans, masked=True, fragment=kw)
+            frag = frags[kw, trans]
+            out = weight_only_matmul(x, frag, *rest, config=config, counters=layer.counters, perm=layer.perm)
             torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2, msg=f"{m} rows, {config}")
             assert not layer.counters.any(), config
             plain = dataclasses.replace(config, fragment=0)
             again = weight_only_matmul(x, layer.qweight, *rest, config=plain, counters=layer.counters, perm=layer.perm)
             assert torch.equal(again, out), config
     x = torch.randn(16, k, generator=g).half().to(DEV)
-    bad = (MidTiles(16, 32, 64, 1, trans=True, fragment=2), MidTiles(16, 32, 16, 1, fragment=2))
-    for config in (*bad, MidTiles(16, 32, 64, 1, fragment=3)):
+    bad = (MidTiles(16, 32, 32, 1, trans=True, fragment=2), MidTiles(16, 32, 16, 1, fragment=2))
+    for config in (*bad, MidTiles(16, 32, 64, 1, fragment=3), MidTiles(16, 32, 64, 1, trans=True, fragment=4)):
         with pytest.raises(ValueError, match="fragment"):
-            weight_only_matmul(x, frags[2], *rest, config=config, perm=layer.perm)
+            weight_only_matmul(x, frags[2, False], *rest, config=config, perm=layer.perm)
     w8 = quantize_rtn(torch.randn(n, k, generator=g), 8, 64, False, None)
     layer8 = WeightOnlyLinear(w8, None, torch.float16).to(DEV)
     with pytest.raises(ValueError, match="4-bit"):
@@ -739,6 +757,26 @@ def test_decode_dot_kernel_fragment_layout_compiles_for_sm90_without_the_shared_
         assert int(new[8]) < int(old[8]) and int(new[9]) > 0, (old, new)
         assert int(new[4]) > 0 and int(new[5]) == 0 and 2 * int(new[6]) <= int(old[6]), new
         assert (old[10], new[10]) == ("0", "1"), (old, new)
+
+
+def test_decode_dot_kernel_trans_fragment_layout_compiles_for_sm90_with_the_weight_in_wgmma_registers():
+    """MID_TABLE's W4 g128 tiles at 16 rows (the 8B's four shapes), the weight as tl.dot's first operand, compile
+    for sm_90 without a GPU. With the masked unpack of the plain layout the unpacked tile goes to shared memory
+    (16-byte STS, 8 to 16 a step) for wgmma; in the trans fragment layout (MidTiles.fragment 2 with trans) the
+    TTGIR's reshape yields wgmma's register operand layout itself, so the loop stores at most 2 (Triton 3.9 at
+    BLOCK_N 256 on 4 warps), spills nothing, keeps wgmma (HGMMA), needs about half the shared memory and
+    issues no more instructions per weight and thread: Triton 3.6 4.41 to 4.81 against 4.52 to 5.48, Triton
+    3.9 4.80 to 5.47 against 4.79 to 6.05."""
+    operand = "'bf16, #ttg.dot_op<{opIdx = 0'"
+    direct = "int(any('tt.reshape' in x and " + operand + " in x for x in kernel.asm['ttgir'].splitlines()))"
+    fields = "ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared, ops['STS'], " + direct
+    pairs = _w4_table_twins_sass("trans=True, masked=True, fragment=2 * twin", fields)
+    for old, new in pairs:
+        assert float(new[3]) < float(old[3]) + 0.05, (old, new)
+        assert int(old[7]) >= 8 and int(new[7]) <= 2, (old, new)  # the unpacked tile's shared stores
+        assert int(new[4]) > 0 and int(new[5]) == 0 and 2 * int(new[6]) <= int(old[6]) + 4096, new
+        assert (old[8], new[8]) == ("0", "1"), (old, new)
+    assert sum(float(new[3]) for _, new in pairs) < sum(float(old[3]) for old, _ in pairs) - 0.5
 
 
 @pytest.mark.slow
@@ -999,9 +1037,11 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                     twin = dataclasses.replace(config, masked=not config.masked)
                     assert torch.equal(weight_only_matmul(x, *args, config=twin, counters=counters).float(), out)
             if bits == 4:  # the fragment layout's tiles: the plain layout's masked output bit for bit
-                frag_args = {kw: (fragment_pack(args[0], kw), *args[1:]) for kw in (2, 4)}
+                layouts = ((2, False), (4, False), (2, True))
+                frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
                 for config in [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment][::9]:
-                    out = weight_only_matmul(x, *frag_args[config.fragment], config=config, counters=counters)
+                    weight = frag_args[config.fragment, config.trans]
+                    out = weight_only_matmul(x, *weight, config=config, counters=counters)
                     plain = dataclasses.replace(config, fragment=0)
                     assert torch.equal(weight_only_matmul(x, *args, config=plain, counters=counters), out), config
                     assert not counters.any(), config

@@ -202,6 +202,21 @@ def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl
 
 
 @triton.jit
+def _joined_fields(words, z, dtype: tl.constexpr):
+    """The 8 fields of 4-bit words as q - z in `dtype`, unpacked masked (_field), joined as three new last
+    dimensions (p0, p1, half) of size 2: field 4 half + 2 p1 + p0, each dimension in registers."""
+    lo = tl.join(
+        tl.join(_field(words, 0, 4, z, dtype, True), _field(words, 1, 4, z, dtype, True)),
+        tl.join(_field(words, 2, 4, z, dtype, True), _field(words, 3, 4, z, dtype, True)),
+    )
+    hi = tl.join(
+        tl.join(_field(words, 4, 4, z, dtype, True), _field(words, 5, 4, z, dtype, True)),
+        tl.join(_field(words, 6, 4, z, dtype, True), _field(words, 7, 4, z, dtype, True)),
+    )
+    return tl.join(lo, hi)
+
+
+@triton.jit
 def _fragment_tile(
     qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dtype: tl.constexpr, KWIDTH: tl.constexpr
 ):
@@ -220,20 +235,31 @@ def _fragment_tile(
     offs = offs_n[:, None, None] * sqn + base + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, C)[None, None, :]
     words = tl.load(qw_ptr + offs, mask=mask_n[:, None, None], other=0)  # [BLOCK_N, 4 (t), C]
     zc = z[:, None, None]
-    lo = tl.join(
-        tl.join(_field(words, 0, 4, zc, dtype, True), _field(words, 1, 4, zc, dtype, True)),
-        tl.join(_field(words, 2, 4, zc, dtype, True), _field(words, 3, 4, zc, dtype, True)),
-    )
-    hi = tl.join(
-        tl.join(_field(words, 4, 4, zc, dtype, True), _field(words, 5, 4, zc, dtype, True)),
-        tl.join(_field(words, 6, 4, zc, dtype, True), _field(words, 7, 4, zc, dtype, True)),
-    )
-    w = tl.join(lo, hi)  # [n, t, c, p0, p1, half]
+    w = _joined_fields(words, zc, dtype)  # [n, t, c, p0, p1, half]
     if KWIDTH == 2:  # k = 32c + 16 half + 8 p1 + 2t + p0
         w = tl.permute(w, (2, 5, 4, 1, 3, 0))
     else:  # k = 32c + 16 half + 4t + 2 p1 + p0
         w = tl.permute(w, (2, 5, 1, 4, 3, 0))
     return tl.reshape(w, (BLOCK_K, w.shape[5]))
+
+
+@triton.jit
+def _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """The [BLOCK_N, 64] tile q - z (z [BLOCK_N]) of a 4-bit weight in the trans fragment layout (fragment_pack
+    with trans) at inputs k0..k0 + 63 (k0 a multiple of 64), unpacked masked (_field) into the layout of
+    tl.dot's first operand for wgmma (its registers): per 16 outputs and 64 inputs 128 words, in order (row
+    r < 8, t < 4, r8 < 2, c < 2) for output 16 g + 8 r8 + r, field (half, p1, p0) of the word holding input
+    32c + 16 half + 8 p1 + 2t + p0. A thread loads its (r8, c) words as one 16-byte vector, the lanes take
+    (r, t), the warps the groups g: the operand's layout, so Triton converts nothing."""
+    G: tl.constexpr = BLOCK_N // 16
+    g = pid_n * G + tl.arange(0, G)
+    v = tl.arange(0, 8)[None, :, None, None] * 16 + tl.arange(0, 4)[None, None, :, None] * 4
+    offs = g[:, None, None, None] * (16 * sqn) + (k0 // 64) * 128 + v + tl.arange(0, 4)[None, None, None, :]
+    words = tl.load(qw_ptr + offs, mask=(g < N // 16)[:, None, None, None], other=0)
+    words = tl.reshape(words, (G, 8, 4, 2, 2))  # [g, r, t, r8, c]
+    zc = tl.permute(tl.reshape(z, (G, 2, 8)), (0, 2, 1))[:, :, None, :, None]
+    w = tl.permute(_joined_fields(words, zc, dtype), (0, 3, 1, 4, 7, 6, 2, 5))  # -> [g, r8, r, c, half, p1, t, p0]
+    return tl.reshape(w, (BLOCK_N, 64))
 
 
 @triton.jit
@@ -251,8 +277,8 @@ def _mid_kernel(
     the prompt kernel does, costs ~2.5x the instructions per weight on sm_90). SCALE_AT_END: the program's
     whole span lies in one group, so its scale multiplies the sum once. MASKED: the fields unpacked as the GEMV
     does (_field: an AND and an FMA a field where shifting it out costs a shift, an extract, an OR and
-    a subtraction). FRAGMENT: a 4-bit weight in the fragment layout ([N, K / 8], row stride sqn; not TRANS),
-    unpacked masked straight into tl.dot's operand layout (_fragment_tile)."""
+    a subtraction). FRAGMENT: a 4-bit weight in the fragment layout ([N, K / 8], row stride sqn), unpacked
+    masked straight into tl.dot's operand layout (_fragment_tile; TRANS: _fragment_rows)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -279,7 +305,17 @@ def _mid_kernel(
         z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         # Loaded before the unpack, so its latency overlaps it (unused if SCALE_AT_END: compiled out).
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if TRANS:
+        if TRANS and FRAGMENT:
+            a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
+            w = _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N, a.dtype)
+            if BLOCK_K == 128:  # the next 64 inputs as the upper half of K
+                w2 = _fragment_rows(qw_ptr, sqn, k0 + 64, pid_n, N, z, BLOCK_N, a.dtype)
+                w = tl.reshape(tl.permute(tl.join(w, w2), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+            if SCALE_AT_END:
+                acc = tl.dot(w, a, acc, input_precision=PRECISION)
+            else:
+                acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
+        elif TRANS:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
             words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
             if MASKED:
@@ -630,8 +666,8 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     n = qweight.shape[0 if config.fragment else 1]
     config.check(k, group_size)
     assert m <= config.block_m, f"{config} covers {config.block_m} rows, not {m}"
-    if config.fragment and bits != 4:
-        raise ValueError(f"{config}: the fragment layout packs 4-bit weights only, not {bits}-bit")
+    if config.fragment and (bits != 4 or (config.trans and n % 16)):
+        raise ValueError(f"{config}: the fragment layout packs 4-bit weights (N a multiple of 16 for trans)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -649,35 +685,42 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     return out
 
 
-# The order of a 128-input block's fields in fragment_pack's layout, per kWidth: the (c, half, t, p1, p0) of input
-# k as the dimensions its [4, 2, 2 or 4, 4 or 2, 2] view takes them, and where they go in [t, c, half, p1, p0].
-_FRAGMENT_VIEW = {2: ((4, 2, 2, 4, 2), (6, 0, 4, 1, 2, 3, 5)), 4: ((4, 2, 4, 2, 2), (6, 0, 3, 1, 2, 4, 5))}
+# fragment_pack's layouts: the view of the [K, N] fields taken (input bits high to low, then outputs) and its
+# order as the words lay them out, per (kwidth, trans). Plain: per output, per 128 inputs (block b), [t, c, half, p1,
+# p0]; trans: per 16 outputs (group g) and 64 inputs (block b), [r, t, r8, c, half, p1, p0].
+_FRAGMENT_VIEW = {
+    (2, False): ((4, 2, 2, 4, 2, -1), (6, 0, 4, 1, 2, 3, 5)),  # [b, c, half, p1, t, p0, n]
+    (4, False): ((4, 2, 4, 2, 2, -1), (6, 0, 3, 1, 2, 4, 5)),  # [b, c, half, t, p1, p0, n]
+    (2, True): ((2, 2, 2, 4, 2, -1, 2, 8), (6, 0, 8, 4, 7, 1, 2, 3, 5)),  # [b, c, half, p1, t, p0, g, r8, r]
+}
 
 
-def fragment_pack(qweight: torch.Tensor, kwidth: int = 2) -> torch.Tensor:
+def fragment_pack(qweight: torch.Tensor, kwidth: int = 2, trans: bool = False) -> torch.Tensor:
     """A 4-bit weight packed [K / 8, N] (pack_int32 along K) -> the fragment layout the decode tl.dot kernel reads
-    with MidTiles.fragment = kwidth: [N, K / 8] int32, each output's inputs in blocks of 128 (K a multiple of
-    128), a block's 16 words in order (t, c) for t, c < 4, field (half, p1, p0) (bits 16 half + 8 p1 + 4 p0) of
-    word (t, c) holding input 32c + 16 half + 8 p1 + 2t + p0 (kwidth 2) or 32c + 16 half + 4t + 2 p1 + p0 (4):
-    the inputs a thread holds of mma.sync's second operand in the layout Triton gives it (kWidth 2: Triton
-    3.9; 4: Triton 3.6), _fragment_tile."""
+    with MidTiles.fragment = kwidth (and `trans` as the tiles'): N * K / 8 int32 as [N, K / 8]. Plain, for
+    mma.sync's second operand: each output's inputs in blocks of 128, a block's 16 words in order (t, c) for t,
+    c < 4, field (half, p1, p0) (bits 16 half + 8 p1 + 4 p0) of word (t, c) holding input 32c + 16 half + 8 p1
+    + 2t + p0 (kwidth 2) or 32c + 16 half + 4t + 2 p1 + p0 (4): the inputs a thread holds of the operand in
+    the layout Triton gives it (kWidth 2: Triton 3.9; 4: Triton 3.6), _fragment_tile. Trans, for wgmma's
+    first operand (kwidth 2, N a multiple of 16): per 16 outputs and 64 inputs, _fragment_rows."""
     from engine.quant import pack_int32, unpack_int32
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    if k % 128:
-        raise ValueError(f"the fragment layout takes K in blocks of 128, not K={k}")
-    view, order = _FRAGMENT_VIEW[kwidth]
-    q = unpack_int32(qweight, 4, dim=0).view(k // 128, *view, n)
-    return pack_int32(q.permute(order).reshape(n, k), 4, dim=1)  # [n, block, t, c, half, p1, p0]
+    if k % 128 or (trans and n % 16):
+        raise ValueError(f"the fragment layout takes K in blocks of 128 (and N of 16 for trans), not K={k}, N={n}")
+    view, order = _FRAGMENT_VIEW[(kwidth, trans)]
+    q = unpack_int32(qweight, 4, dim=0).view(-1, *view[:5], *((n,) if not trans else (n // 16, *view[6:])))
+    return pack_int32(q.permute(order).reshape(n, k), 4, dim=1)
 
 
-def fragment_unpack(words: torch.Tensor, kwidth: int = 2) -> torch.Tensor:
+def fragment_unpack(words: torch.Tensor, kwidth: int = 2, trans: bool = False) -> torch.Tensor:
     """fragment_pack's inverse: the fragment layout [N, K / 8] -> the packed [K / 8, N]."""
     from engine.quant import pack_int32, unpack_int32
 
     n, k = words.shape[0], words.shape[1] * 8
-    view, order = _FRAGMENT_VIEW[kwidth]
-    q = unpack_int32(words, 4, dim=1).view(n, k // 128, *(view[i - 1] for i in order[2:]))
+    view, order = _FRAGMENT_VIEW[(kwidth, trans)]
+    sizes = [k // (128 if not trans else 64), *view[:5], *((n,) if not trans else (n // 16, *view[6:]))]
+    q = unpack_int32(words, 4, dim=1).reshape(*(sizes[i] for i in order))
     back = [order.index(i) for i in range(len(order))]
     return pack_int32(q.permute(back).reshape(k, n), 4, dim=0)
 

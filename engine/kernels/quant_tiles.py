@@ -37,8 +37,9 @@ class MidTiles(Tiles):
     an extract, an OR and a subtraction. `fragment` (2 or 4; 0: off): the 4-bit weight repacked
     (quant_gemm.fragment_pack with this kwidth) so that the words a thread loads unpack, masked, into the
     registers of tl.dot's second operand for mma.sync as Triton lays it out (kWidth 2 with Triton 3.9, 4
-    with 3.6): no trip of the unpacked tile through shared memory; not with `trans`, K in blocks of 128,
-    BLOCK_K 32 to 128. The caller passes the weight in that layout."""
+    with 3.6; BLOCK_K 32 to 128), or with `trans` of its first operand for wgmma (2; BLOCK_K 64 or 128, N a
+    multiple of 16): no trip of the unpacked tile through shared memory; K in blocks of 128. The caller
+    passes the weight in that layout (fragment_pack with this kwidth and trans)."""
 
     trans: bool = False
     masked: bool = False
@@ -48,10 +49,10 @@ class MidTiles(Tiles):
         # Any split: the kernel's spans are whole steps, the last one shorter.
         if group % self.block_k or k % self.block_k or self.block_m < 16:
             raise ValueError(f"{self} does not tile K={k} in groups of {group}")
-        if self.fragment and (
-            self.trans or k % 128 or self.block_k not in (32, 64, 128) or self.fragment not in (2, 4)
-        ):
-            raise ValueError(f"{self}: the fragment layout takes kWidth 2 or 4, K in blocks of 128, BLOCK_K 32-128")
+        # The layouts (quant_gemm.fragment_pack): plain for mma.sync, kWidth 2 or 4; trans for wgmma, kWidth 2.
+        blocks, kwidths = ((64, 128), (2,)) if self.trans else ((32, 64, 128), (2, 4))
+        if self.fragment and (k % 128 or self.block_k not in blocks or self.fragment not in kwidths):
+            raise ValueError(f"{self}: not a fragment layout's tiles (K in blocks of 128; BLOCK_K, kWidth)")
 
 
 @dataclass(frozen=True)
