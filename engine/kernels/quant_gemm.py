@@ -13,7 +13,8 @@ Three kernels, by rows (thresholds in engine/kernels/quant_tiles.py):
   field becomes q - z as an exact float in three integer / float operations (no int-to-float conversion; or
   MASKED, the GEMV's way, an AND and an FMA) and the scale multiplies the product per group step (or once,
   when a program's K range lies in one group), not each weight. TRANS computes out^T = W^T x^T, the
-  dequantized weight as tl.dot's first operand.
+  dequantized weight as tl.dot's first operand. FRAGMENT reads a 4-bit weight repacked (fragment_pack) so that
+  its unpacked tile is the tl.dot operand's register layout as loaded (no trip through shared memory).
 - prompt-sized batches, a tl.dot kernel tiled over M and N (no split): BLOCK_K rows lie in one group (BLOCK_K
   divides the group size), so each tile loads one row of scales and zeros.
 
