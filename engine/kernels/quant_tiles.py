@@ -119,51 +119,64 @@ GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
 # as at one row, so one program covers every row and each weight tile is dequantized once.
 MID_MAX_M = 64
 
-# (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the
-# rows, at least 16), the best of `bench.quant_gpu --sweep mid` on the H100 at 16 and 64 rows
-# (bench/results/2026-11-26-h100-12a53e2-quant-mid-sweep.jsonl; a W4 layer of the 8B at 16 rows 147.7 us against
-# the rule's 194.9 and bf16's 206.0, at 64 rows 187.9 against 294.8 and 206.4). Shapes not listed (and 17-32
-# rows) take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight
-# as first operand, K split until about two programs per SM).
+# (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the rows,
+# at least 16). Tuned on the H100 with Triton 3.6: per shape the fastest of the previous table's tiles, their masked
+# twins (either operand order) and the sweep's five best, among tiles of the plain weight layout (fragment 0), from
+# `QUANT_SWEEP=mid QUANT_BUDGET=290 bash bench/gpu_check.sh quant-sweep`
+# (bench/results/2026-11-26-h100-efbce94-quant-sweep-mid.jsonl). A layer's four matmuls (us), previous table -> this
+# one: W4 g128 at 16 rows 211.8 -> 146.6, at 64 rows 241.9 -> 210.3; W8 at 16 rows 152.3 -> 148.9, at 64 rows 192.6 ->
+# 172.3 (bf16 206-217). The fragment layouts were faster still for W4 (the sweep's best: 131.0 at 16 rows, 182.8 at
+# 64), but their tiles need the weight repacked by quant_gemm.fragment_pack, and the model's WeightOnlyLinear keeps
+# the plain layout, so none are listed here. One run, and a noisy one (its timings of the one-row GEMV at a shape
+# differ up to 3.6x between passes; it timed the previous W4 16-row tiles at 211.8 where the 12a53e2 sweep had 147.7),
+# so the whole-model decode A/B is what confirms this table. Shapes not listed (and 17-32 rows) take
+# quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight as first operand,
+# masked, K split until about two programs per SM).
 MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
     (4, 4096, 6144, 16): MidTiles(
-        block_m=16, block_n=128, block_k=128, split=6, num_warps=8, num_stages=3, trans=False
+        block_m=16, block_n=128, block_k=128, split=6, num_warps=8, num_stages=3, masked=True
     ),
     (4, 4096, 4096, 16): MidTiles(
-        block_m=16, block_n=128, block_k=128, split=8, num_warps=8, num_stages=3, trans=False
+        block_m=16, block_n=256, block_k=128, split=16, num_warps=4, num_stages=3, trans=True, masked=True
     ),
     (4, 4096, 28672, 16): MidTiles(
-        block_m=16, block_n=256, block_k=64, split=5, num_warps=4, num_stages=3, trans=False
+        block_m=16, block_n=256, block_k=64, split=5, num_warps=4, num_stages=3, masked=True
     ),
     (4, 14336, 4096, 16): MidTiles(
-        block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, trans=False
+        block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, masked=True
     ),
     (4, 4096, 6144, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=True, masked=True
     ),
-    (4, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=False),
+    (4, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4),
     (4, 4096, 28672, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, trans=False
+        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, masked=True
     ),
     (4, 14336, 4096, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=8, num_warps=4, num_stages=3, trans=False
+        block_m=64, block_n=128, block_k=128, split=8, num_warps=4, num_stages=3, masked=True
     ),
     (8, 4096, 6144, 16): MidTiles(
-        block_m=16, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+        block_m=16, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=True, masked=True
     ),
-    (8, 4096, 4096, 16): MidTiles(block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 4096, 4096, 16): MidTiles(
+        block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True, masked=True
+    ),
     (8, 4096, 28672, 16): MidTiles(
-        block_m=16, block_n=256, block_k=128, split=2, num_warps=4, num_stages=3, trans=True
+        block_m=16, block_n=256, block_k=64, split=2, num_warps=4, num_stages=4, trans=True, masked=True
     ),
     (8, 14336, 4096, 16): MidTiles(block_m=16, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
     (8, 4096, 6144, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=False
+        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, masked=True
     ),
-    (8, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 4096, 4096, 64): MidTiles(
+        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True, masked=True
+    ),
     (8, 4096, 28672, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, trans=False
+        block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, masked=True
     ),
-    (8, 14336, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True),
+    (8, 14336, 4096, 64): MidTiles(
+        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True, masked=True
+    ),
 }
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales
