@@ -1018,7 +1018,8 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
     """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 20 / 33 / 64 rows: the default tiles
     (20 rows: the rule's) and candidates of the sweep's grid, one counter array shared by all launches as a layer
     shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit, and
-    for 4 bits the fragment layout's candidates (MidTiles.fragment) the plain layout's masked output."""
+    for 4 bits the fragment layout's candidates (MidTiles.fragment) the plain layout's masked output to within one
+    bfloat16 step in a rare output."""
     from bench.quant_gpu import SHAPES, mid_candidates
     from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
 
@@ -1042,9 +1043,14 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                 frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
                 for config in [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment][::9]:
                     weight = frag_args[config.fragment, config.trans]
-                    out = weight_only_matmul(x, *weight, config=config, counters=counters)
+                    out = weight_only_matmul(x, *weight, config=config, counters=counters).float()
                     plain = dataclasses.replace(config, fragment=0)
-                    assert torch.equal(weight_only_matmul(x, *args, config=plain, counters=counters), out), config
+                    want = weight_only_matmul(x, *args, config=plain, counters=counters).float()
+                    # The same products, summed by another MMA form (the weight a register operand): on the H100
+                    # a rare output (1 in 12,288-65,536) rounds to the neighbouring bfloat16.
+                    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-30)
+                    assert ((out - want).abs() <= ulp).all(), config
+                    assert (out != want).float().mean() < 1e-3, config
                     assert not counters.any(), config
 
 
