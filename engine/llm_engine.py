@@ -527,7 +527,9 @@ class LLMEngine:
             return
         if step.speculated:
             self.speculator.times.add_spec(step.num_seqs, step.drafted, seconds)
-        elif step.overlapped == overlapped == self._pipelines():
+        # Timed as a decode step when it and this launch both ran in the engine's usual mode. An overlapped launch
+        # was let through by _can_overlap just now, over the same running sequences: _pipelines() holds, no walk.
+        elif step.overlapped == overlapped and (overlapped or not self._pipelines()):
             self.speculator.times.add_decode(step.num_seqs, seconds)
 
     def _launch(self, previous: _Step | None = None) -> _Step | None:

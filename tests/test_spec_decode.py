@@ -254,6 +254,20 @@ def test_a_new_sequence_starts_from_the_workloads_recent_acceptance():
     assert speculator.drafts([new]) == {new.seq_id: [5, 6, 7, 8]}
 
 
+def test_the_decision_counts_decoding_sequences_up_to_one_past_the_limit():
+    from engine.spec_decode.speculator import Speculator
+
+    config = SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 4})
+    speculator = Speculator(config, max_model_len=1024)
+    seqs = decoding_sequences(8)
+    prefilling = seqs[:3]
+    for s in prefilling:
+        s.num_computed_tokens -= 5  # a prompt chunk still to compute
+    assert speculator.num_decoding(seqs[:5]) == 2  # exact at or below the limit
+    assert speculator.num_decoding(seqs) == 5  # 5 decoding of 8: one past the limit, the count stops there
+    assert speculator.num_decoding(seqs[3:7]) == 4
+
+
 def test_the_step_decision_is_made_once_per_step():
     """speculates() (asked when the engine decides whether to overlap the next step) and the next drafts() are
     one decision: the probe counter moves once."""

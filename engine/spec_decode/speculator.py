@@ -131,10 +131,18 @@ class StepTimes:
         return 1 << max(0, num_seqs - 1).bit_length()
 
     def add_decode(self, num_seqs: int, seconds: float) -> None:
-        self.decode.setdefault(self.bucket(num_seqs), _Timing()).add(seconds, 0)
+        _timing(self.decode, self.bucket(num_seqs)).add(seconds, 0)
 
     def add_spec(self, num_seqs: int, drafted: int, seconds: float) -> None:
-        self.spec.setdefault(self.bucket(num_seqs), _Timing()).add(seconds, drafted)
+        _timing(self.spec, self.bucket(num_seqs)).add(seconds, drafted)
+
+
+def _timing(table: dict[int, _Timing], bucket: int) -> _Timing:
+    """table[bucket], made on first use (not dict.setdefault: that would build a _Timing every step)."""
+    timing = table.get(bucket)
+    if timing is None:
+        timing = table[bucket] = _Timing()
+    return timing
 
 
 @dataclass
@@ -240,7 +248,7 @@ class Speculator:
         step speculates, and a large batch is not walked every step)."""
         limit, n = self.config.disable_by_batch_size, 0
         for s in running:
-            if s.num_uncomputed_tokens == 1:
+            if len(s.token_ids) - s.num_computed_tokens == 1:  # s.num_uncomputed_tokens, without a property call
                 n += 1
                 if n > limit:
                     break
