@@ -219,10 +219,8 @@ def _model_name(model: nn.Module, checkpoint_name: str) -> str:
     """A checkpoint tensor's or module's name as the model names it: without "model.", and a fused layer's for
     its shards (layers.0.self_attn.q_proj -> layers.0.self_attn.qkv_proj)."""
     name = checkpoint_name.removeprefix("model.")
-    for part, (fused, _) in getattr(model, "packed", {}).items():
-        if f".{part}." in f"{name}.":
-            return f"{name}.".replace(f".{part}.", f".{fused}.")[:-1]
-    return name
+    shard = model.fused_name(name)
+    return shard[0] if shard is not None else name
 
 
 # A checkpoint's fp8 KV-cache scales (compressed-tensors' kv_cache_scheme, as llm-compressor writes them).
@@ -317,7 +315,7 @@ class _QuantizeAsLoaded:
             if replaced_at_load(name, module):
                 for param in ("weight", "bias"):
                     if getattr(module, param) is not None:
-                        self.pending.setdefault(name, set()).update(_checkpoint_names(model, f"{name}.{param}"))
+                        self.pending.setdefault(name, set()).update(model.shard_names(f"{name}.{param}"))
 
     def allocate(self, name: str) -> None:
         """Give the deferred weight that checkpoint tensor `name` fills its memory (once)."""
@@ -382,13 +380,7 @@ def first_line(exc: BaseException) -> str:
 
 def _expected_checkpoint_names(model: nn.Module) -> set[str]:
     """Parameter names as a HF checkpoint spells them (fused projections split back), without "model."."""
-    return {part for name, _ in model.named_parameters() for part in _checkpoint_names(model, name)}
-
-
-def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
-    """The checkpoint names (without "model.") of the tensors that fill parameter `name`: a fused one's shards."""
-    parts = [name.replace(fused, part) for part, (fused, _) in model.packed.items() if f".{fused}." in name]
-    return parts or [name]
+    return {part for name, _ in model.named_parameters() for part in model.shard_names(name)}
 
 
 def _init_dummy(model: nn.Module, seed: int) -> dict[str, int]:

@@ -270,3 +270,33 @@ def test_corruption_under_load_time_quantization(model_copy, case, quantization)
         _load(model_copy, quantization=quantization)
     message = str(info.value)
     assert message.startswith(str(culprit)) and problem in message, message
+
+
+def test_fused_names_map_both_ways():
+    """The one mapping between a checkpoint's per-projection names and the model's fused layers: every shard of a
+    fused parameter maps back to it with its index, in order; other names map to themselves."""
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.qwen3 import Qwen3ForCausalLM
+
+    for cls in (LlamaForCausalLM, Qwen3ForCausalLM):
+        assert cls.shard_names("layers.3.self_attn.qkv_proj.weight") == [
+            f"layers.3.self_attn.{p}_proj.weight" for p in "qkv"
+        ]
+        assert cls.shard_names("layers.3.mlp.gate_up_proj.bias") == [
+            "layers.3.mlp.gate_proj.bias",
+            "layers.3.mlp.up_proj.bias",
+        ]
+        assert cls.shard_names("layers.3.mlp.gate_up_proj") == ["layers.3.mlp.gate_proj", "layers.3.mlp.up_proj"]
+        for fused in ("layers.0.self_attn.qkv_proj.weight", "layers.11.mlp.gate_up_proj.weight"):
+            assert [cls.fused_name(n) for n in cls.shard_names(fused)] == [
+                (fused, i) for i in range(len(cls.shard_names(fused)))
+            ]
+        for plain in (
+            "layers.0.self_attn.o_proj.weight",
+            "embed_tokens.weight",
+            "layers.2.mlp.down_proj",
+            "norm.weight",
+        ):
+            assert cls.fused_name(plain) is None and cls.shard_names(plain) == [plain]
+        # A name that only contains a projection's name as a substring is not a shard of it.
+        assert cls.fused_name("layers.0.self_attn.q_proj_extra.weight") is None

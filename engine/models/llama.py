@@ -178,6 +178,29 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    @classmethod
+    def fused_name(cls, name: str) -> tuple[str, int] | None:
+        """A checkpoint tensor's or module's name (without "model.") as this model names it when it is a shard
+        of a fused layer (layers.0.self_attn.k_proj.weight -> (layers.0.self_attn.qkv_proj.weight, 1)); None
+        when it is not one."""
+        dotted = f"{name}."
+        for part, (fused, index) in cls.packed.items():
+            if f".{part}." in dotted:
+                return dotted.replace(f".{part}.", f".{fused}.")[:-1], index
+        return None
+
+    @classmethod
+    def shard_names(cls, name: str) -> list[str]:
+        """The checkpoint names (without "model.") that fill this model's parameter or module `name`: a fused
+        one's shards, in order; otherwise `name` itself."""
+        dotted = f"{name}."
+        parts = [
+            dotted.replace(f".{fused}.", f".{part}.")[:-1]
+            for part, (fused, _) in cls.packed.items()
+            if f".{fused}." in dotted
+        ]
+        return parts or [name]
+
     def load_weight(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> bool:
         """Copy one checkpoint tensor into its (possibly fused) parameter in `params` (the model's
         named_parameters, which the loader holds for the load only: kept on the model, the map would keep the
@@ -187,13 +210,13 @@ class LlamaForCausalLM(nn.Module):
             return False
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return False
-        for part, (fused, index) in self.packed.items():
-            if f".{part}." in name:
-                param = params[name.replace(part, fused)]
-                sizes = self._shard_sizes(fused)
-                start = sum(sizes[:index])
-                _copy_checked(name, param.data.narrow(0, start, sizes[index]), tensor)
-                return True
+        shard = self.fused_name(name)
+        if shard is not None:
+            fused, index = shard
+            sizes = self._shard_sizes(fused.split(".")[-2])
+            start = sum(sizes[:index])
+            _copy_checked(name, params[fused].data.narrow(0, start, sizes[index]), tensor)
+            return True
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         _copy_checked(name, params[name].data, tensor)
