@@ -218,14 +218,6 @@ def detect_scheme(hf_config: dict, model_dir: str | Path, override: str | None =
     return readers[found](qc)
 
 
-def fused_shards(model: nn.Module) -> dict[str, list[str]]:
-    """Fused module name -> its checkpoint shards' names in output order (qkv_proj -> q_proj, k_proj, v_proj)."""
-    out: dict[str, list[tuple[int, str]]] = {}
-    for part, (fused, index) in getattr(model, "packed", {}).items():
-        out.setdefault(fused, []).append((index, part))
-    return {fused: [p for _, p in sorted(parts)] for fused, parts in out.items()}
-
-
 def replaced_at_load(name: str, module: nn.Module) -> bool:
     """Whether a load-time scheme, or any scheme over dummy weights, replaces this module (its name in the
     model): every nn.Linear but the LM head."""
@@ -255,7 +247,6 @@ def quantize_linears(
     weight (`QuantScheme.tensors_of`). `dummy_weight` (load_format="dummy"): any scheme quantizes every linear
     but the LM head from the full-precision weight it gives for the linear's name, made one layer at a time
     (the linears' own weights were never allocated)."""
-    shards_of = fused_shards(model)
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         prefix = f"{parent_name}." if parent_name else ""
@@ -268,7 +259,7 @@ def quantize_linears(
                 weight = child.weight if dummy_weight is None else dummy_weight(prefix + child_name)
                 shards = [scheme.tensors_of(weight.detach())]  # a fused layer as one shard
             else:
-                parts = [prefix + p for p in shards_of.get(child_name, [child_name])]
+                parts = model.shard_names(prefix + child_name)  # a fused layer's shards, in output order
                 present = [p for p in parts if p in tensors]
                 if not present:
                     continue
