@@ -1047,9 +1047,11 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                     plain = dataclasses.replace(config, fragment=0)
                     want = weight_only_matmul(x, *args, config=plain, counters=counters).float()
                     # The same products, summed by another MMA form (the weight a register operand): on the H100
-                    # a rare output (1 in 12,288-65,536) rounds to the neighbouring bfloat16.
-                    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-30)
-                    assert ((out - want).abs() <= ulp).all(), config
+                    # a rare output (1 in 12,288-65,536 at 3-64 rows) rounds to the neighbouring bfloat16. The
+                    # float32 sums differ by far less than a bfloat16 step of the outputs' scale, which bounds
+                    # the difference of any output, one near zero too.
+                    step = torch.finfo(torch.bfloat16).eps * want.abs().max()
+                    assert (out - want).abs().max() <= step, config
                     assert (out != want).float().mean() < 1e-3, config
                     assert not counters.any(), config
 
