@@ -279,6 +279,9 @@ def _load_safetensors(
                             loaded.add(name)
                             if at_load is not None:
                                 at_load.filled(name)
+                        # Copied in: freed now, not when the next tensor's read rebinds the name (two of the
+                        # largest tensors, an 8B model's embedding and LM head, 2 GiB, were held at once).
+                        del tensor
             except ModelLoadError:
                 raise
             except KeyError as exc:  # load_weight: a tensor the architecture has no place for

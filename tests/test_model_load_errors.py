@@ -300,3 +300,24 @@ def test_fused_names_map_both_ways():
             assert cls.fused_name(plain) is None and cls.shard_names(plain) == [plain]
         # A name that only contains a projection's name as a substring is not a shard of it.
         assert cls.fused_name("layers.0.self_attn.q_proj_extra.weight") is None
+
+
+def test_a_checkpoint_load_holds_one_tensor_beyond_the_model(tmp_path):
+    """Reading a bf16 checkpoint into a bf16 model on the CPU: the load peaks at the model plus the largest tensor
+    being copied in, not two (the embedding and the LM head are the largest, and read one after the other)."""
+    from bench.gpu_check import write_random_checkpoint
+    from bench.live_bytes import LiveBytes
+    from engine.loader import load_model
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    write_random_checkpoint(config, tmp_path, "cpu")
+    with LiveBytes() as watch:
+        model, _ = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"))
+    largest = 8192 * 64 * 2  # the embedding's (and the LM head's) bytes in bf16
+    kept = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert watch.live >= kept
+    assert watch.peak - watch.live < 1.5 * largest, (watch.peak, watch.live)
