@@ -131,18 +131,18 @@ class StepTimes:
         return 1 << max(0, num_seqs - 1).bit_length()
 
     def add_decode(self, num_seqs: int, seconds: float) -> None:
-        _timing(self.decode, self.bucket(num_seqs)).add(seconds, 0)
+        _bucket_entry(self.decode, self.bucket(num_seqs), _Timing).add(seconds, 0)
 
     def add_spec(self, num_seqs: int, drafted: int, seconds: float) -> None:
-        _timing(self.spec, self.bucket(num_seqs)).add(seconds, drafted)
+        _bucket_entry(self.spec, self.bucket(num_seqs), _Timing).add(seconds, drafted)
 
 
-def _timing(table: dict[int, _Timing], bucket: int) -> _Timing:
-    """table[bucket], made on first use (not dict.setdefault: that would build a _Timing every step)."""
-    timing = table.get(bucket)
-    if timing is None:
-        timing = table[bucket] = _Timing()
-    return timing
+def _bucket_entry(table: dict, bucket: int, make: type):
+    """table[bucket], made by make() on first use (not dict.setdefault: that would build one every step)."""
+    entry = table.get(bucket)
+    if entry is None:
+        entry = table[bucket] = make()
+    return entry
 
 
 @dataclass
@@ -320,9 +320,7 @@ class Speculator:
         if not self.adaptive:
             return True
         bucket = StepTimes.bucket(n)
-        guard = self.guards.get(bucket)
-        if guard is None:
-            guard = self.guards[bucket] = Guard()
+        guard = _bucket_entry(self.guards, bucket, Guard)
         on = guard.allows()
         self._mode = (guard, on)
         if not on:
