@@ -478,14 +478,15 @@ def compose_command() -> list[str] | None:
     podman_compose = shutil.which("podman-compose") or shutil.which(
         "podman-compose", path=str(Path(sys.executable).parent)
     )
-    return [podman_compose] if podman_compose else None
+    # podman-compose (in the test extra) asks `podman version` before anything else, `config` included.
+    return [podman_compose] if podman_compose and shutil.which("podman") else None
 
 
 def compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
     command = compose_command()
     if command is None:
         pytest.skip(
-            "none of `docker compose`, `docker-compose`, `podman-compose` is installed; "
+            "none of `docker compose`, `docker-compose`, `podman-compose` with podman is installed; "
             "test_compose_structure still checks the file with PyYAML (and docker/check.sh runs it with podman-compose)"
         )
     result = subprocess.run(
