@@ -45,7 +45,10 @@ def prompt_logits(llm: LLM, ids: list[int], chunk: int | None = None) -> torch.T
     earlier ones from the KV cache."""
     runner = llm.engine.runner
     block = runner.block_size
-    table = list(range(math.ceil(len(ids) / block)))  # the engine is idle: any blocks are free to write
+    # The engine is idle, so any blocks are free to write, but blocks its earlier requests left in the prefix
+    # cache would then be found again by a later prompt with the tokens they no longer hold: forget them.
+    llm.engine.block_manager.reset_prefix_cache()
+    table = list(range(math.ceil(len(ids) / block)))
     step = chunk or len(ids)
     logits = []
     with torch.no_grad():

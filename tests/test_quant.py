@@ -292,6 +292,22 @@ def test_w8a8_matches_transformers_rounding_inputs_the_same_way(quantized_dirs, 
     assert (got - expected).norm() / expected.norm() < 1e-3
 
 
+def test_prompt_logits_leaves_no_stale_prefix_cache_behind(tiny_model_dir):
+    """bench.quant_ppl.prompt_logits writes K/V into blocks an earlier request left in the prefix cache; a later
+    request with that prompt must not find them (it did: its greedy tokens went wrong from the second)."""
+    from bench.quant_ppl import prompt_logits
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", cpu_kv_cache_bytes=8 << 20)
+    prompt = list(range(1, 41))  # two full blocks of 16 tokens, cached once the request ends
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    prompt_logits(llm, list(range(200, 240)))
+    after = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+
+
 @pytest.mark.parametrize("quantization, tol", [("int8", 0.02), ("fp8", 0.1)])
 def test_load_time_quantization_stays_close_to_full_precision(tiny_model_dir, quantization, tol):
     from engine.attention.torch_ref import TorchBackend
