@@ -6,7 +6,7 @@ AutoAWQ imports it; nothing of pagoda is imported here):
 
     python3 -m venv /tmp/awqv && /tmp/awqv/bin/pip install torch==2.13.0 transformers==4.51.3 accelerate==1.15.0 \
         datasets==5.0.1 && /tmp/awqv/bin/pip install --no-deps autoawq==0.2.9
-    /tmp/awqv/bin/python bench/autoawq_checkpoints.py MODEL_DIR OUT_DIR [awq-w4g64 ...]
+    PYTHONPATH=. /tmp/awqv/bin/python bench/autoawq_checkpoints.py MODEL_DIR OUT_DIR [awq-w4g64 ...]
 
 For each scheme it writes:
 - OUT_DIR/<scheme>/: the checkpoint as save_quantized writes it, with the source's tokenizer files;
@@ -31,7 +31,6 @@ AutoAWQ is a GPU tool; on the CPU this needs (each where it is done, below):
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -39,10 +38,9 @@ from pathlib import Path
 
 import torch
 
-TEXT = Path(__file__).parent / "data" / "jargon-file-4.4.7.txt"
-SCORED_TOKENS = 8192  # bench/quant_ppl.py's default
+from bench.tool_common import calibration_rows, greedy, prompts, write_float_copy, write_record
+
 SCHEMES = {"awq-w4g64": {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}}
-GREEDY_TOKENS = 16
 CLIP_TOKENS = 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -70,11 +68,6 @@ def _quantizer_cls():
     return CpuAwqQuantizer
 
 
-def _calibration(tok, samples: int = 8, length: int = 64) -> list[list[int]]:
-    ids = tok(TEXT.read_text())["input_ids"][SCORED_TOKENS:]
-    return [ids[i * length : (i + 1) * length] for i in range(samples)]
-
-
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     # Copied, not re-saved: transformers 4.51 would rewrite a 5.x tokenizer_config.json under another class name.
     for name in TOKENIZER_FILES:
@@ -82,9 +75,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy(src / name, dst / name)
 
 
-def _dequantize(src: Path, quant: Path, dst: Path, bits: int, group: int) -> None:
+def _dequantize(quant: Path, dst: Path, bits: int, group: int) -> None:
     from awq.utils.packing_utils import dequantize_gemm
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     packed = load_file(quant / "model.safetensors")
     tensors: dict[str, torch.Tensor] = {}
@@ -93,20 +86,13 @@ def _dequantize(src: Path, quant: Path, dst: Path, bits: int, group: int) -> Non
             prefix = name.removesuffix(".qweight")
             scales = packed[prefix + ".scales"].float()
             # dequantize_gemm gives (in, out); an nn.Linear weight is (out, in).
-            weight = dequantize_gemm(value, packed[prefix + ".qzeros"], scales, bits, group)
-            tensors[prefix + ".weight"] = weight.t().contiguous()
+            tensors[prefix + ".weight"] = dequantize_gemm(value, packed[prefix + ".qzeros"], scales, bits, group).t()
         elif not name.endswith((".qzeros", ".scales")):
-            tensors[name] = value.float()
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copy(src / "generation_config.json", dst / "generation_config.json")
-    _copy_tokenizer(src, dst)
+            tensors[name] = value
+    write_float_copy(quant, dst, tensors)
 
 
-def _greedy(quant: Path, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy(quant: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
     import awq.models.base
     from awq import AutoAWQForCausalLM
     from awq.modules.linear import WQLinear_GEMM
@@ -127,16 +113,7 @@ def _greedy(quant: Path, prompts: list[list[int]]) -> list[list[int]]:
     for module in model.model.modules():
         if isinstance(module, WQLinear_GEMM):
             module.scales = module.scales.half()
-    model.model.generation_config.eos_token_id = None  # always GREEDY_TOKENS, like pagoda's ignore_eos
-    out = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        # use_cache: quantize() loaded the model with use_cache=False, and save_quantized wrote that config.
-        y = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=GREEDY_TOKENS, do_sample=False, use_cache=True
-        )
-        out.append(y[0, len(ids) :].tolist())
-    return out
+    return greedy(model.model, prompt_ids)
 
 
 def main() -> None:
@@ -148,11 +125,8 @@ def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     # The class, not AutoTokenizer: transformers 4.51 does not know the 5.x "TokenizersBackend" the config names.
     tok = PreTrainedTokenizerFast.from_pretrained(src)
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
-    )
-    prompts = [tok(chat, add_special_tokens=False)["input_ids"], list(range(100, 160))]
-    calib = _calibration(tok)
+    prompt_ids = prompts(tok)
+    calib = calibration_rows(tok, 8, 64)
     for scheme in sys.argv[3:] or list(SCHEMES):
         start = time.perf_counter()
         cfg = SCHEMES[scheme]
@@ -168,9 +142,8 @@ def main() -> None:
         model.save_quantized(str(out / scheme))
         _copy_tokenizer(src, out / scheme)
         print(f"{scheme}: quantized in {time.perf_counter() - start:.0f} s", flush=True)
-        _dequantize(src, out / scheme, out / f"{scheme}-dequantized", cfg["w_bit"], cfg["q_group_size"])
-        tool = {"tool": "autoawq 0.2.9", "prompts": prompts, "greedy": _greedy(out / scheme, prompts)}
-        (out / f"{scheme}.tool.json").write_text(json.dumps(tool) + "\n")
+        _dequantize(out / scheme, out / f"{scheme}-dequantized", cfg["w_bit"], cfg["q_group_size"])
+        write_record(out / f"{scheme}.tool.json", "autoawq 0.2.9", prompt_ids, _greedy(out / scheme, prompt_ids))
         print(f"{scheme}: {out / scheme} in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -6,7 +6,7 @@ imported here):
 
     python3 -m venv /tmp/gptqm && /tmp/gptqm/bin/pip install torch==2.14.1 && \
         /tmp/gptqm/bin/pip install gptqmodel==7.7.0 optimum==2.3.0
-    GPTQMODEL_CPU_WORKERS=2 /tmp/gptqm/bin/python bench/gptqmodel_checkpoints.py MODEL_DIR OUT_DIR [gptq-w4g64 ...]
+    GPTQMODEL_CPU_WORKERS=2 PYTHONPATH=. /tmp/gptqm/bin/python bench/gptqmodel_checkpoints.py MODEL_DIR OUT_DIR [...]
 
 (GPTQMODEL_CPU_WORKERS: GPTQModel asks for two loader threads, and a 2-core machine gives it one by default.)
 For each scheme it writes, with the tool's own code only:
@@ -22,15 +22,13 @@ tests/test_quant_tools.py looks for them in $PAGODA_CACHE/gptqmodel/.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
-TEXT = Path(__file__).parent / "data" / "jargon-file-4.4.7.txt"
-SCORED_TOKENS = 8192  # bench/quant_ppl.py's default
-GREEDY_TOKENS = 16
+from bench.tool_common import calibration_rows, greedy, prompts, write_float_copy, write_record
+
 # Groups of 64 and 32 divide SmolLM2-135M's 576 and 1536 inputs; -1 is one group per output channel.
 SCHEMES = {
     "gptq-w4g64": dict(bits=4, group_size=64, sym=True, desc_act=False),
@@ -40,25 +38,13 @@ SCHEMES = {
 }
 
 
-def _calibration(tok, samples: int = 8, length: int = 128) -> list[dict]:
-    ids = tok(TEXT.read_text())["input_ids"][SCORED_TOKENS:]
-    rows = [ids[i * length : (i + 1) * length] for i in range(samples)]
-    return [{"input_ids": row, "attention_mask": [1] * length} for row in rows]
-
-
-def _prompts(tok) -> list[list[int]]:
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))["input_ids"]
-    return [chat, list(range(100, 160))]
-
-
 def _dequantized(ckpt: Path, out: Path) -> None:
     """A float32 copy of the checkpoint with each quantized linear's packed tensors replaced by its weight as
     GPTQModel unpacks it (the other tensors, the embedding and norms, as the checkpoint stores them)."""
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     # float16, the checkpoint's scales' dtype (its torch kernel takes float16 or bfloat16, and bfloat16 would round
     # the scales as it loads them).
@@ -71,37 +57,20 @@ def _dequantized(ckpt: Path, out: Path) -> None:
         for key, value in load_file(file).items():
             owner, _, leaf = key.rpartition(".")
             if owner not in linears or leaf == "bias":
-                tensors[key] = value.float().contiguous()
+                tensors[key] = value
     for name, module in linears.items():
         # float32 scales, so the product scale * (q - zero) is not rounded to float16.
         module.scales = module.scales.float()
-        tensors[f"{name}.weight"] = module.dequantize_weight().T.float().contiguous()  # [K, N] -> [N, K]
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("*.safetensors", "quantize_config.json", "quant_log.csv"))
-    config = json.loads((out / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, out / "model.safetensors")
-    del model
-    torch.cuda.empty_cache()
+        tensors[f"{name}.weight"] = module.dequantize_weight().T  # [K, N] -> nn.Linear's [N, K]
+    write_float_copy(ckpt, out, tensors)
 
 
-def _tool_greedy(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]:
+def _tool_greedy(ckpt: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
     """Greedy tokens of the checkpoint as transformers loads it (GPTQModel's kernels through optimum)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, device_map="cpu").eval()
-    model.generation_config.eos_token_id = None  # as pagoda's ignore_eos: EOS neither stops nor is suppressed
-    greedy = []
-    for ids in prompts:
-        out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-        greedy.append(out[0, len(ids) :].tolist())
-    return greedy
+    return greedy(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, device_map="cpu").eval(), prompt_ids)
 
 
 def main() -> None:
@@ -109,24 +78,20 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(src)
+    calibration = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in calibration_rows(tok, 8, 128)]
     for scheme in sys.argv[3:] or list(SCHEMES):
         start = time.perf_counter()
-        ckpt, record = out / scheme, out / f"{scheme}.tool.json"
-        if record.is_file():
-            continue  # written last: the scheme is complete
-        if not (ckpt / "model.safetensors").is_file():
-            model = GPTQModel.load(str(src), QuantizeConfig(**SCHEMES[scheme]), device="cpu")
-            model.quantize(_calibration(tok), batch_size=1)
-            model.save(str(ckpt))
-            del model
+        ckpt = out / scheme
+        model = GPTQModel.load(str(src), QuantizeConfig(**SCHEMES[scheme]), device="cpu")
+        model.quantize(calibration, batch_size=1)
+        model.save(str(ckpt))
+        del model
         if (src / "chat_template.jinja").is_file() and not (ckpt / "chat_template.jinja").is_file():
             shutil.copy(src / "chat_template.jinja", ckpt)
         _dequantized(ckpt, out / f"{scheme}-dequantized")
-        prompts = _prompts(tok)
-        greedy = _tool_greedy(ckpt, prompts)
-        record.write_text(json.dumps({"tool": "gptqmodel 7.7.0", "prompts": prompts, "greedy": greedy}))
+        prompt_ids = prompts(tok)
+        write_record(out / f"{scheme}.tool.json", "gptqmodel 7.7.0", prompt_ids, _tool_greedy(ckpt, prompt_ids))
         print(f"{scheme}: {ckpt} in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -4,7 +4,7 @@ llm-compressor 0.14 pins transformers<=5.17, which pagoda's environment does not
 venv of its own (torch stays 2.13.0 CPU; nothing of pagoda is imported here):
 
     python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 transformers==5.17.0 llmcompressor==0.14.0.1
-    /tmp/llmc/bin/python bench/llmcompressor_checkpoints.py MODEL_DIR OUT_DIR [w4a16-g64-gptq w8a8-int8 ...]
+    PYTHONPATH=. /tmp/llmc/bin/python bench/llmcompressor_checkpoints.py MODEL_DIR OUT_DIR [w4a16-g64-gptq ...]
 
 Each scheme lands in OUT_DIR/<scheme> (tests/test_quant_tools.py looks in $PAGODA_CACHE/llmcompressor/).
 The GPTQ and SmoothQuant (w8a8-int8-sq) schemes calibrate on the Jargon File past the text
@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-TEXT = Path(__file__).parent / "data" / "jargon-file-4.4.7.txt"
-SCORED_TOKENS = 8192  # bench/quant_ppl.py's default
+from bench.tool_common import calibration_rows
 
 
 def _recipe(scheme: str):
@@ -51,8 +50,7 @@ def _calibration(tok, samples: int = 8, length: int = 128):
     # Small: calibrating 32 x 256 tokens took 5 minutes a layer on 2 shared cores.
     from datasets import Dataset
 
-    ids = tok(TEXT.read_text())["input_ids"][SCORED_TOKENS:]
-    rows = [ids[i * length : (i + 1) * length] for i in range(samples)]
+    rows = calibration_rows(tok, samples, length)
     return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length for _ in rows]})
 
 

@@ -16,8 +16,8 @@ repo=$PWD
 model=$(realpath "$1"); shift
 cache=$(realpath -m "${PAGODA_CACHE:-$HOME/.cache/pagoda}")
 
-# The stamp of a tool's outputs: its script and this file, so that a changed recipe makes them again.
-stamp() { cat "bench/$1_checkpoints.py" bench/tool_checkpoints.sh | sha256sum | cut -c1-16; }
+# The stamp of a tool's outputs: its script, what the scripts share and this file, so that a changed recipe makes them again.
+stamp() { cat "bench/$1_checkpoints.py" bench/tool_common.py bench/tool_checkpoints.sh | sha256sum | cut -c1-16; }
 
 venv() {  # name, then one quoted pip argument list per install step
   local dir=$cache/tool-venvs/$1; shift
@@ -41,7 +41,8 @@ run_tool() {  # name, python of its venv
   # From the output folder, where GPTQModel leaves its logs/. GPTQModel asks for two loader threads, which a
   # 2-core machine gives it only when told, and torch.compiles its dequantization, minutes of C++ builds on a
   # CPU for a model this small.
-  (cd "$out" && GPTQMODEL_CPU_WORKERS=2 TORCH_COMPILE_DISABLE=1 "$2" "$repo/bench/$1_checkpoints.py" "$model" "$out")
+  (cd "$out" && PYTHONPATH=$repo GPTQMODEL_CPU_WORKERS=2 TORCH_COMPILE_DISABLE=1 \
+    "$2" "$repo/bench/$1_checkpoints.py" "$model" "$out")
   stamp "$1" >"$out/.complete"
   echo "== $1: done in $((SECONDS - start)) s"
 }
