@@ -332,15 +332,18 @@ def test_rms_norm_quantized_is_the_norm_then_quantize_rows(qdtype, dtype, t, hid
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("t,inter", [(2, 64), (5, 576), (3, 2100)])
-@pytest.mark.parametrize("whole_row_max", [16384, 256])
-def test_silu_and_mul_quantized_is_the_product_then_quantize_rows(monkeypatch, qdtype, dtype, t, inter, whole_row_max):
+@pytest.mark.parametrize("whole_row_max,whole_row_max_rows", [(16384, 256), (256, 256), (16384, 3)])
+def test_silu_and_mul_quantized_is_the_product_then_quantize_rows(
+    monkeypatch, qdtype, dtype, t, inter, whole_row_max, whole_row_max_rows
+):
     """With `quant`, SwiGLU hands over what quantize_rows makes of its product, bit for bit, its rows in
-    registers whole or (rows longer than WHOLE_ROW_MAX) in steps of 2048 columns (inter 2100: two, the second
-    partial); rows of any stride."""
+    registers whole or (rows longer than WHOLE_ROW_MAX, or more rows than WHOLE_ROW_MAX_ROWS: t = 5 of 3) in
+    steps of 2048 columns (inter 2100: two, the second partial); rows of any stride."""
     from engine.kernels import activation
     from engine.kernels.w8a8 import quantize_rows
 
     monkeypatch.setattr(activation, "WHOLE_ROW_MAX", whole_row_max)
+    monkeypatch.setattr(activation, "WHOLE_ROW_MAX_ROWS", whole_row_max_rows)
     x = _quant_rows(_randn(t, 2 * inter, dtype=dtype, seed=32, scale=4.0))
     _same_quantized(silu_and_mul(x, quant=qdtype), quantize_rows(silu_and_mul(x), qdtype))
     wide = _randn(t, 2 * inter + 30, dtype=dtype, seed=33, scale=4.0)[:, : 2 * inter]

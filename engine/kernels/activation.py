@@ -13,6 +13,13 @@ _BLOCK = 1024
 # The quantizing kernel holds a row of up to this many products in registers (16 warps: 32 a thread), so each
 # program has its whole row's loads in flight at once (Llama-3-8B's 14336); longer rows go in steps.
 WHOLE_ROW_MAX = 16384
+# ...but only for batches of up to this many rows. A whole-row program of 16 warps holding 32 products a thread
+# fills an SM's registers alone, so a prompt-sized batch streams one row per SM at a time: on an H200, 8192 rows of
+# the 8B's 14336 took 418 us whole against 283 us in the two-pass steps (1.40 against 2.07 TB/s), which keep many
+# rows in flight per SM and read each row's second pass back from L2; the steps lead by 25-33% from 1024 rows, and
+# up to 512 the two forms (tens of us) were each ahead in one of two runs (bench/swiglu_quant_gpu.py,
+# 2026-12-01-h200-d7db857-swiglu-quant.jsonl). Decode batches keep the whole rows.
+WHOLE_ROW_MAX_ROWS = 512
 
 
 @triton.jit
@@ -70,14 +77,19 @@ def _silu_and_mul_quant_kernel(
 
 
 def silu_and_mul(
-    gate_up: torch.Tensor, out: torch.Tensor | None = None, quant: torch.dtype | None = None
+    gate_up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    quant: torch.dtype | None = None,
+    whole_row: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[..., 2 * I] -> [..., I] = silu(gate) * up, gate the first half.
 
     Written into `out` when given (contiguous, gate_up's dtype), else into a new tensor. With `quant`
     (torch.int8 or float8_e4m3fn; gate_up 2-d, `out` unused): in place of the product, the pair (q, scale)
     that engine/kernels/w8a8.py quantize_rows(silu_and_mul(gate_up), quant) returns, bit for bit (contiguous
-    [rows, I] 8-bit values, float32 [rows, 1] scales); the product itself is never stored."""
+    [rows, I] 8-bit values, float32 [rows, 1] scales); the product itself is never stored. `whole_row` picks the
+    quantizing kernel's form (None: whole rows for rows up to WHOLE_ROW_MAX long in batches of up to
+    WHOLE_ROW_MAX_ROWS, else steps); both give the same bits."""
     two_i = gate_up.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -87,7 +99,9 @@ def silu_and_mul(
         q = torch.empty((x.shape[0], inter), dtype=quant, device=x.device)
         scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
         whole = triton.next_power_of_2(inter)
-        if whole <= WHOLE_ROW_MAX:  # one block per row, warps as the RMSNorm kernel takes them
+        if whole_row is None:
+            whole_row = whole <= WHOLE_ROW_MAX and x.shape[0] <= WHOLE_ROW_MAX_ROWS
+        if whole_row:  # one block per row, warps as the RMSNorm kernel takes them
             block, warps = whole, max(1, min(16, whole // 512))
         else:  # steps of the activation quantizer's tiles, as quantize_rows takes a row
             block, warps = ROW_TILES.block, ROW_TILES.num_warps
