@@ -2,6 +2,7 @@
 speculator whose steps never speculate, against an engine without one, on the CPU, step by step.
 
     .venv/bin/python bench/spec_overhead.py [--steps 3000] [--batch 32] [--async-scheduling] [--profile]
+    python3 bench/spec_overhead.py --device cuda --shape smollm2 [--aa] [--ngram-first]   # on the GPU
 
 Both engines serve a tiny Llama (dummy weights; a forward of a few hundred microseconds, so the engine's host work
 is most of a step) and the same closed loop: `--batch` requests of 32-token prompts, greedy, ignore_eos, each
@@ -16,6 +17,13 @@ without speculation too: what the method reads between equal engines (on the sha
 over 3,000 steps: the resolution of one run); --ngram-first builds the n-gram engine first. --profile then runs
 cProfile over a further stretch of both engines' steps and prints, per step, the own time of the functions where
 the two differ most.
+
+--device cuda runs both engines on the GPU (bfloat16, 0.4 of the card each, the second given the first's pool so
+both have the same cache; async scheduling as served, unless --no-async-scheduling) and --shape smollm2 makes the
+model the default model's architecture (SmolLM2-135M: 30 layers, hidden 576, vocabulary 49,152) with dummy weights:
+a step of the real model's cost, as at concurrency 32 of bench/spec_h100.sh, where no step speculates either. With
+async scheduling a step() launches the next forward and waits for the one before, so a step's time is the
+engine's period; `diff_mean_pct` is the mean difference over none's mean step, the figure issue 21's 3% rule reads.
 """
 
 from __future__ import annotations
@@ -37,6 +45,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from bench.spec_host import TINY_LLAMA  # noqa: E402  (the same tiny Llama: a forward of a few hundred us)
 from engine import LLM, SamplingParams  # after OMP_NUM_THREADS is set
 
+# The default model's architecture (SmolLM2-135M-Instruct's config.json, as engine/default_model.py imports it).
+SMOLLM2 = {
+    **TINY_LLAMA,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 49152,
+}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 PROMPT_LEN, OUT_LEN = 32, 128
 
@@ -44,15 +66,21 @@ PROMPT_LEN, OUT_LEN = 32, 128
 class Loop:
     """One engine's closed loop of `batch` requests; step() times one engine step (seconds)."""
 
-    def __init__(self, model_dir: str, batch: int, spec: bool, async_scheduling: bool):
-        kw = {"speculative_config": dict(NGRAM)} if spec else {}
+    def __init__(
+        self, model_dir: str, batch: int, spec: bool, async_scheduling: bool | None, device: str = "cpu", **kw
+    ):
+        if spec:
+            kw["speculative_config"] = dict(NGRAM)
+        if device == "cuda":
+            kw.setdefault("gpu_memory_utilization", 0.4)
+            kw["dtype"] = "bfloat16"
+        else:
+            kw.update(dtype="float32", cpu_kv_cache_bytes=256 << 20)
         self.llm = LLM(
             model_dir,
             load_format="dummy",
-            dtype="float32",
-            device="cpu",
+            device=device,
             max_num_seqs=batch,
-            cpu_kv_cache_bytes=256 << 20,
             async_scheduling=async_scheduling,
             **kw,
         )
@@ -112,6 +140,9 @@ def summary(none_s: list[float], ngram_s: list[float]) -> dict:
         "diff_median_ci95_us": [round(1e6 * ordered[k], 2), round(1e6 * ordered[-1 - k], 2)],
         "diff_mean_us": round(1e6 * mean, 2),
         "diff_mean_ci95_us": [round(1e6 * (mean - 1.96 * sem), 2), round(1e6 * (mean + 1.96 * sem), 2)],
+        # The same over none's mean step, in percent: how much slower the n-gram engine's steps are.
+        "diff_mean_pct": round(100 * mean / statistics.fmean(none_s), 3),
+        "diff_mean_ci95_pct": [round(100 * (mean + d * 1.96 * sem) / statistics.fmean(none_s), 3) for d in (-1, 1)],
     }
 
 
@@ -141,7 +172,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shape", default="tiny", choices=["tiny", "smollm2"], help="the model's architecture")
+    # Off by default on the CPU, on (as served) on cuda; --no-async-scheduling turns it off there.
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     # A null measurement: the second engine without a speculator too (what the method reads between equal engines).
     ap.add_argument("--aa", action="store_true", help="both engines without speculation")
     # Which engine is built first (and takes the first memory): a verdict should not rest on one order.
@@ -150,16 +184,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
-        if a.ngram_first:
-            ngram = Loop(model_dir, a.batch, not a.aa, a.async_scheduling)
-            none = Loop(model_dir, a.batch, False, a.async_scheduling)
-        else:
-            none = Loop(model_dir, a.batch, False, a.async_scheduling)
-            ngram = Loop(model_dir, a.batch, not a.aa, a.async_scheduling)
+        config = SMOLLM2 if a.shape == "smollm2" else TINY_LLAMA
+        (Path(model_dir) / "config.json").write_text(json.dumps(config))
+        asynchronous = a.async_scheduling if a.async_scheduling is not None else a.device == "cuda"
+        first = Loop(model_dir, a.batch, a.ngram_first and not a.aa, asynchronous, a.device)
+        # On cuda the budget of gpu_memory_utilization counts the first engine's tensors too: the second gets the
+        # first's pool instead, so both have the same cache.
+        kw = {"num_gpu_blocks_override": first.eng.block_manager.num_blocks} if a.device == "cuda" else {}
+        second = Loop(model_dir, a.batch, not a.ngram_first and not a.aa, asynchronous, a.device, **kw)
+        none, ngram = (second, first) if a.ngram_first else (first, second)
         interleaved(none, ngram, a.warmup)
         none_s, ngram_s = interleaved(none, ngram, a.steps)
-        row = {"batch": a.batch, "async_scheduling": a.async_scheduling, "aa": a.aa, "ngram_first": a.ngram_first}
+        row = {"device": a.device, "shape": a.shape, "batch": a.batch, "async_scheduling": asynchronous}
+        row.update(aa=a.aa, ngram_first=a.ngram_first)
         row.update(summary(none_s, ngram_s))
         row["speculative_steps"] = ngram.speculated
         print("RESULT", json.dumps(row), flush=True)

@@ -28,3 +28,7 @@ def test_the_engines_run_the_same_steps_and_the_speculator_never_speculates(tmp_
     low, high = row["diff_median_ci95_us"]
     assert row["steps"] == 40 and low <= row["diff_median_us"] <= high
     assert diffs[0] - 0.01 <= row["diff_median_us"] <= diffs[-1] + 0.01
+    # The mean difference over none's mean step, in percent (the figure the 3% rule reads), inside its interval.
+    assert row["diff_mean_pct"] == pytest.approx(row["diff_mean_us"] / row["none_mean_us"] * 100, abs=0.02)
+    low_pct, high_pct = row["diff_mean_ci95_pct"]
+    assert low_pct <= row["diff_mean_pct"] <= high_pct
