@@ -41,7 +41,10 @@ bucket runs in cycles of _GUARD_CYCLE of its steps: the mode ahead, then _GUARD_
 behind (each mode first runs until measured, on first). Every step of a run is counted, the ones at its edges
 too, so a run's sums hold what switching modes cost. The mode behind costs what it loses over
 _GUARD_EXPLORE / _GUARD_CYCLE of the steps (under 1% where speculation loses 20%), within the 3% speculation
-may ever cost; a workload that turns repetitive is caught within a cycle (a few hundred steps).
+may ever cost; a workload that turns repetitive is caught within a cycle (a few hundred steps). What neither
+mode's sums can show is a cost that outlasts the mode: sequences that started and would finish together (a closed
+loop of equal output lengths) drift apart once any step speculates, in either mode from then on, and their
+successors' prompts then arrive one at a time, each in a step of its own (WRITEUP.md, "The 3% rule on the H200").
 """
 
 from __future__ import annotations
