@@ -304,9 +304,12 @@ def serve_command(args: argparse.Namespace) -> int:
     _check_tls(http)
     names = http.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     api_keys = http.api_key or ([os.environ["PAGODA_API_KEY"]] if os.environ.get("PAGODA_API_KEY") else [])
+    try:
+        config = _engine_config(args, args.model)  # the flags first: a bad one is named whatever holds the port
+    except ValueError as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
     sock = _listening_socket(http.host, http.port)
     try:
-        config = _engine_config(args, args.model)
         engine = AsyncEngine(config)  # loads the model and sizes the KV cache; logs both
         settings = ServerSettings(
             names,

@@ -170,9 +170,18 @@ def test_cors_lists_must_be_json_lists_of_strings(value, capsys):
 
 
 def test_more_than_one_gpu_is_refused_at_start_in_one_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "-tp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    # The flags are checked before the port is bound: the refusal is the same while another process holds it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "-tp", "2", "--host", "127.0.0.1", "--port", port],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         "pagoda serve: pagoda serves a model on one GPU: tensor_parallel_size (-tp) must be 1, got 2"
