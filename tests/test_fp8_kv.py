@@ -464,11 +464,13 @@ def test_greedy_generation_matches_the_full_precision_cache(fp32_and_fp8_outputs
 
 
 def test_perplexity_within_one_percent_of_the_full_precision_cache(default_model_dir):
-    """bench/fp8kv_ppl.py's measurement at a small size: 512 tokens of held-out text, the fp8 cache
-    read by every chunk after the first."""
+    """bench/fp8kv_ppl.py's measurement as WRITEUP.md gives it: 2,048 tokens of held-out text in 4 windows,
+    the fp8 cache read by every chunk after a window's first (+0.78% with torch's AVX2 kernels, +0.80% with
+    its AVX-512 ones). One 512-token window is too small a sample for a 1% bound: it read +0.95% and +1.36%
+    with the same two."""
     from bench.fp8kv_ppl import make_llm, perplexity, text_windows
 
-    windows = text_windows(str(default_model_dir), 513, 512)
+    windows = text_windows(str(default_model_dir), 2048, 512)
     ppl = {kv: perplexity(make_llm(str(default_model_dir), kv, False, 512), windows, 64) for kv in ("auto", "fp8")}
     print(f"perplexity: {ppl}")
     assert ppl["auto"] < 100  # the model reads the text: a broken cache gives thousands
