@@ -80,6 +80,7 @@ def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     tok = AutoTokenizer.from_pretrained(src)
     calibration = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in calibration_rows(tok, 8, 128)]
+    prompt_ids = prompts(tok)
     for scheme in sys.argv[3:] or list(SCHEMES):
         start = time.perf_counter()
         ckpt = out / scheme
@@ -90,7 +91,6 @@ def main() -> None:
         if (src / "chat_template.jinja").is_file() and not (ckpt / "chat_template.jinja").is_file():
             shutil.copy(src / "chat_template.jinja", ckpt)
         _dequantized(ckpt, out / f"{scheme}-dequantized")
-        prompt_ids = prompts(tok)
         write_record(out / f"{scheme}.tool.json", "gptqmodel 7.7.0", prompt_ids, _tool_greedy(ckpt, prompt_ids))
         print(f"{scheme}: {ckpt} in {time.perf_counter() - start:.0f} s", flush=True)
 

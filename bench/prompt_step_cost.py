@@ -6,9 +6,9 @@ instead of together (speculation puts a closed loop's sequences out of step, so 
 
 Synchronous steps (async scheduling off, so each step() is one whole step): `--batch` - j sequences decoding and j
 prompts of --prompt-len tokens joining in one step, for j = 1 and j = --batch (all start together: the step is
-prompts only), against plain decode steps of `--batch` sequences. Prints the median ms of each kind over
---repeats, then, for the one-prompt step, a cProfile of the host's work (own time per function) and a
-torch.profiler table of its kernels (on cuda).
+prompts only), against plain decode steps of the --batch - 1 sequences the one-prompt steps join. Prints the
+median ms of each kind over --repeats, then, for the one-prompt step, a cProfile of the host's work (own time per
+function) and a torch.profiler table of its kernels (on cuda).
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.naming import short_commit
 from bench.spec_overhead import SMOLLM2
 from engine import LLM, SamplingParams
 
@@ -49,7 +50,7 @@ def main() -> None:
         eng = llm.engine
         long = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
         short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        ids = iter(range(1 << 30))
+        ids = itertools.count()
 
         def timed_step() -> float:
             t0 = time.perf_counter()
@@ -103,7 +104,7 @@ def main() -> None:
         print(host_profile)
         if kernels:
             print(kernels)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = short_commit()
         row = {"mode": "prompt-step-cost", "device": a.device, "batch": a.batch, "prompt_len": a.prompt_len,
                "median_ms": row, "commit": commit}  # fmt: skip
         if a.device == "cuda":

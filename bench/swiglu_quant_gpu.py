@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 
 import torch
 from triton.testing import do_bench
 
+from bench.naming import short_commit
 from engine.kernels.activation import WHOLE_ROW_MAX_ROWS, silu_and_mul
 
 FP8 = torch.float8_e4m3fn
@@ -34,7 +34,7 @@ def main() -> None:
     for _ in range(200):
         w @ w
     torch.cuda.synchronize()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = short_commit()
     print(f"rows  whole us  steps us  default  (GB/s whole / steps)   WHOLE_ROW_MAX_ROWS {WHOLE_ROW_MAX_ROWS}")
     for rows in a.rows:
         x = torch.randn(rows, 2 * a.inter, device="cuda", dtype=torch.bfloat16) * 4
