@@ -839,17 +839,17 @@ def _verify_phase(engine, draft_on: dict, on: bool, steps: int) -> tuple[list[fl
 
 
 def _replays(runner) -> tuple[int, int]:
-    """Steps run so far through the verify graphs (whole steps) and the piecewise prompt graphs."""
+    """Steps run so far through the verify graphs and the prompt-step graphs."""
     return tuple(0 if g is None else g.replays for g in (runner.verify_graphs, runner.prefill_graphs))
 
 
-def _verify_path(whole: int, piecewise: int, steps: int) -> str:
+def _verify_path(whole: int, prompt: int, steps: int) -> str:
     """Which path `steps` verify steps took, from the graphs' replay counts over them."""
     if whole >= steps:
         return "whole-step verify cuda graphs"
-    if whole + piecewise >= steps:
-        return f"piecewise cuda graphs, attention eager ({whole} of {steps} steps through verify graphs)"
-    return f"eager ({whole} of {steps} steps through verify graphs, {piecewise} through piecewise graphs)"
+    if whole + prompt >= steps:
+        return f"prompt-step cuda graphs ({whole} of {steps} steps through verify graphs)"
+    return f"eager ({whole} of {steps} steps through verify graphs, {prompt} through prompt-step graphs)"
 
 
 def mode_verify(args) -> None:
@@ -864,8 +864,8 @@ def mode_verify(args) -> None:
     estimates are frozen so that the cost model keeps every draft at k. The plain decode steps of an engine
     without speculation (asynchronous scheduling, the production path) are timed too, as a second baseline.
     Rows say which path each kind of step took: decode steps replay whole-step CUDA graphs, verify steps (several
-    query tokens per sequence) the whole-step verify graphs (engine/runner/cuda_graphs.py), or else the piecewise
-    graphs with attention run eagerly between them, or eager forwards.
+    query tokens per sequence) the whole-step verify graphs (engine/runner/cuda_graphs.py), or else the prompt-step
+    graphs, or eager forwards.
     """
     model = args.verify_model or LLAMA_8B
     k, ctx, steps = args.verify_k, args.verify_context, args.verify_steps
@@ -873,7 +873,7 @@ def mode_verify(args) -> None:
     on_cuda = torch.cuda.is_available()
     max_len = ctx + 3 * steps * (k + 1) + 64
     budget = {"num_gpu_blocks_override": 8 * (max_len // 16 + 2) + 64} if on_cuda else {"cpu_kv_cache_bytes": 256 << 20}
-    # Piecewise graphs up to 64 tokens: the sizes (16, 32, 48, 64) the default's 1024 has there, without the time
+    # Prompt-step graphs up to 64 tokens: the sizes (16, 32, 48, 64) the default's 1024 has there, without the time
     # capturing the larger ones takes; a verify step of batch 8 is 8 x (k + 1) = 40 tokens.
     common = {"max_model_len": max_len, "max_num_seqs": 8, "max_prefill_graph_tokens": 64, **budget, **_engine_kw(args)}
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -910,7 +910,7 @@ def mode_verify(args) -> None:
             times, acc = _verify_phase(engine, draft_on, on, steps // 2)
             phases["verify" if on else "decode"] += times
             accepted += acc if on else 0
-        whole, piecewise = (now - before for now, before in zip(_replays(runner), replays0))
+        whole, prompt = (now - before for now, before in zip(_replays(runner), replays0))
         async_times = []
         for _ in range(steps + 3):
             t0 = time.perf_counter()
@@ -940,7 +940,7 @@ def mode_verify(args) -> None:
                 "timed_steps_each": len(phases["verify"]),
                 "accepted_per_verify_step": accepted / max(1, len(phases["verify"]) * batch),
                 "decode_path": "cuda graph (whole step)" if runner.graphs is not None else "eager",
-                "verify_path": _verify_path(whole, piecewise, len(phases["verify"])),
+                "verify_path": _verify_path(whole, prompt, len(phases["verify"])),
             },
         )
 

@@ -106,7 +106,7 @@ for step in "$@"; do
                 --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
            done ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
-             tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or piecewise" \
+             tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or prompt_step" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
     profile-w1|profile-w2) python3 bench/gpu_check.py profile ${step#profile-} ${PROFILE_ARGS:-} 2>&1 | grep -v INFO | head -${PROFILE_LINES:-40}; \
              tail -1 $OUT/gpu_check.jsonl ;;

@@ -242,8 +242,8 @@ class EngineConfig:
     max_graph_batch_size: int = knob(512, "decode batches up to this size replay a captured CUDA graph", min=1)
     max_prefill_graph_tokens: int = knob(
         1024,
-        "steps with prompt tokens, up to this many tokens in all, replay CUDA graphs captured in pieces between "
-        "the attention calls (0: never)",
+        "steps with prompt tokens, up to this many tokens in all, replay a whole-step CUDA graph (triton backend; "
+        "0: never)",
     )
     fa4_prefill_min_tokens: int = knob(
         2048,

@@ -48,12 +48,12 @@ def test_tiny_architectures_match_transformers_on_cuda(arch, backend, tiny_model
         assert [o.outputs[0].token_ids for o in outs] == expected, f"{arch} on cuda ({backend}): {mode!r} diverges"
         runner = llm.engine.runner
         assert (runner.graphs is not None) == (backend == "triton-graphs")
-        # Every prompt step here fits the piecewise graphs (at most 224 tokens): they ran them all.
+        # Every prompt step here fits the prompt-step graphs (at most 224 tokens): they ran them all.
         assert (runner.prefill_graphs is not None and runner.prefill_graphs.replays > 0) == (backend == "triton-graphs")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_piecewise_prefill_graphs_and_eager_steps_mixed(arch, tiny_model_dir):
+def test_prompt_step_graphs_and_eager_steps_mixed(arch, tiny_model_dir):
     """Graphs only up to 64 tokens: prompts of 3..100 tokens with chunks of up to 96 take both paths
     (and paddings to 16..64), decodes join the prompt steps, and greedy still equals transformers."""
     model_dir = tiny_model_dir(arch)
@@ -240,7 +240,7 @@ def test_constrained_rows_with_async_scheduling_and_graphs_match_masked_transfor
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_embeddings_on_cuda_equal_transformers_beside_graph_decodes(arch, tiny_model_dir):
     """Embedding prompts (a one-token one among them, and one long enough for several chunks) pooled on the
-    GPU with the decode and piecewise prompt graphs on, while greedy requests decode beside them: every
+    GPU with the decode and prompt-step graphs on, while greedy requests decode beside them: every
     vector equals transformers' last hidden state (last token and mean), and the greedy outputs equal
     transformers' greedy."""
     from engine.pooling_params import PoolingParams

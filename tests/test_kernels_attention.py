@@ -17,7 +17,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-from engine.kernels.attention import paged_prefill
+import numpy as np
+
+from engine.kernels.attention import (
+    paged_prefill,
+    prefill_queries_per_tile,
+    prefill_tile_capacity,
+    prefill_tile_map,
+)
 from engine.kernels.decode import MAX_DECODE_SPLITS, decode_num_splits, paged_decode
 from engine.kernels.prefill_fresh import fresh_prefill_fits, prefill_fresh
 from tests.attention_reference import assert_close, make_batch, poisoned_like, reference, verify_case
@@ -62,6 +69,47 @@ def test_prefill_mixed_batch(dtype, heads, kv_heads, head_dim, block_size):
     batch = make_batch(MIXED_CTX, MIXED_Q, heads, kv_heads, head_dim, block_size, dtype)
     out = run_prefill(batch, max(MIXED_Q))
     assert_close(out, reference(**batch), dtype)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,ctx,q_lens",
+    [
+        (4, 4, MIXED_CTX, MIXED_Q),
+        (6, 2, [0, 3, 0, 50, 9], [45, 1, 1, 22, 7]),  # 21 queries a tile: several tiles, partial last ones
+        (8, 1, [12], [1]),  # one decode row
+    ],
+)
+def test_prefill_tile_map_launch_equals_the_grid_launch(heads, kv_heads, ctx, q_lens):
+    """The fixed-grid launch of a step graph: the map's tiles, then idle programs, and rows past the step's
+    tokens (a graph's padding) left untouched."""
+    batch = make_batch(ctx, q_lens, heads, kv_heads, 64, 16, torch.float32)
+    per_tile = prefill_queries_per_tile(heads, kv_heads, fp8=False)
+    tokens = sum(q_lens)
+    padded = tokens + 5
+    capacity = prefill_tile_capacity(padded, 8, per_tile)
+    tile_map = np.empty((capacity, 2), dtype=np.int32)
+    prefill_tile_map(np.array(q_lens), per_tile, tile_map)
+    q = torch.cat([batch["q"], torch.randn(5, heads, 64).to(DEVICE)])
+    out = poisoned_like(q)
+    paged_prefill(**{**batch, "q": q}, max_query_len=0, out=out, tile_map=torch.from_numpy(tile_map).to(DEVICE))
+    assert out[tokens:].isnan().all(), "padding rows are no tile's"
+    assert_close(out[:tokens], reference(**batch), torch.float32)
+    assert torch.equal(out[:tokens], run_prefill(batch, max(q_lens)))
+
+
+def test_prefill_tile_map_covers_every_tile_once_highest_first():
+    q_lens = np.array([1, 40, 21, 22, 3])
+    per_tile = 21
+    capacity = prefill_tile_capacity(int(q_lens.sum()), len(q_lens), per_tile)
+    tile_map = np.full((capacity, 2), 7, dtype=np.int32)
+    prefill_tile_map(q_lens, per_tile, tile_map)
+    used = tile_map[tile_map[:, 0] >= 0]
+    expected = {(s, t) for s, n in enumerate(q_lens) for t in range(-(-n // per_tile))}
+    assert sorted(map(tuple, used.tolist())) == sorted(expected)
+    assert list(used[:, 1]) == sorted(used[:, 1], reverse=True)
+    assert (tile_map[len(used) :] == (-1, 0)).all()
+    with pytest.raises(AssertionError, match="query tiles"):
+        prefill_tile_map(q_lens, 1, tile_map)
 
 
 def test_prefill_block_larger_than_key_tile():

@@ -199,7 +199,7 @@ def test_prepare_and_store_matches_norm_rotary_store(dtype, norm, t, hq, hk, d, 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_prepare_and_store_reads_the_first_t_positions(dtype):
-    """A piecewise graph hands its whole captured positions buffer: only the first T entries count."""
+    """A caller may hand a longer positions buffer (a captured one): only the first T entries count."""
     case = _prep_case(6, 4, 2, 64, "default", True, dtype, seed=31)
     rotary, positions, qkv, q, k, v, norms, slots, caches = case
     expected = _expected(rotary, positions, q, k, v, norms, slots, caches)

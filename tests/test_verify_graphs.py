@@ -205,7 +205,7 @@ print(json.dumps({"compiled": dict(compiled), "captures": len(captures),
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_cuda_nothing_compiles_or_captures_after_start_up_with_speculation(kv_cache_dtype, tiny_model_dir):
     """As tests/test_cuda.py's test of that name, with n-gram speculation (k = 4): prompts of 17 to 174
-    tokens (chunked at 128, so some steps mix a prompt chunk with verify rows and take the piecewise graphs),
+    tokens (chunked at 128, so some steps mix a prompt chunk with verify rows and take the prompt-step graphs),
     verify steps on the verify graphs (greedy, then sampled), over a 16-bit and an fp8 cache: no Triton kernel
     compiles and no CUDA graph is captured after start-up, and the verify graphs were replayed. A fresh
     process."""

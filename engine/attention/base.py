@@ -38,6 +38,10 @@ class AttentionMetadata:
     # query_lens_tensor[s] its last tokens, the rest padding (stored nowhere, read by no one).
     queries_per_seq: int = 1
     query_lens_tensor: torch.Tensor | None = None  # [S] int32 on the device, with queries_per_seq > 1
+    # A prompt-step graph's step (engine/runner/cuda_graphs.py: PrefillGraphs): [P, 2] int32 on the device, the
+    # (sequence, query tile) each program of the prompt attention runs (-1: none), so that its grid is fixed;
+    # query_start / seq_lens / max_query_len on the host are then placeholders.
+    tile_map: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -52,7 +56,7 @@ class QKPrep:
     k_norm; None for the others), then rotary embedding at `positions`. The GPU backends fuse both
     into their KV-store kernel (engine/kernels/qkv_store.py); the others run the modules."""
 
-    positions: torch.Tensor  # [T] on the device (a piecewise graph's is its captured size: the kernel reads T)
+    positions: torch.Tensor  # [T] on the device (a graph's may be longer: the kernel reads the first T)
     rotary: RotaryEmbedding
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
@@ -77,6 +81,9 @@ class AttentionBackend:
     # Its `decode` attends several queries a sequence (AttentionMetadata.queries_per_seq), causally: verify steps
     # of speculative decoding replay whole-step graphs (engine/runner/cuda_graphs.py).
     supports_verify_graphs = False
+    # Whole prompt steps can be captured: its `prefill` takes AttentionMetadata.tile_map (a grid fixed at capture),
+    # and it has prefill_queries_per_tile(layer), prefill_tile_capacity and prefill_tile_map (TritonBackend's).
+    supports_prompt_graphs = False
     pad_block_tables = 1  # block-table width is padded to a multiple of this (kernel variants; step_inputs.py)
     # Prompt lengths whose forwards compile every kernel variant a prompt step can meet; run at start-up
     # with and without cached context (ModelRunner.compile_kernels). Empty: nothing to compile.
@@ -104,22 +111,14 @@ class AttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Queries of any length per sequence against their whole context -> [T, H, D] (into `out`)."""
+        """Queries of any length per sequence against their whole context -> [T, H, D]."""
         raise NotImplementedError
 
-    def decode(
-        self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        """One query per sequence, q [S, H, D], against its context -> [S, H, D] (into `out`); with
+    def decode(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence, q [S, H, D], against its context -> [S, H, D]; with
         meta.queries_per_seq q > 1 (backends that support verify graphs), q is [S * q, H, D]."""
         raise NotImplementedError
-
-
-def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
-    """`result`, copied into `out` when the caller gave one (piecewise graphs read a fixed buffer)."""
-    return result if out is None else out.copy_(result)
 
 
 class Attention(nn.Module):
@@ -145,9 +144,6 @@ class Attention(nn.Module):
 
             backend = TorchBackend()
         self.backend = backend
-        # While the runner captures piecewise CUDA graphs (engine/runner/cuda_graphs.py): called instead of
-        # attending, it ends one graph at this layer's attention and begins the next.
-        self.split = None
 
     @property
     def rounds_kv_back(self) -> bool:
@@ -164,18 +160,15 @@ class Attention(nn.Module):
         v: torch.Tensor,
         meta: AttentionMetadata,
         prep: QKPrep | None = None,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D], before `prep` -> [T, H, D] (into `out` when given)."""
-        if self.split is not None:
-            return self.split(self, q, k, v, meta, prep)
+        """q [T, H, D], k/v [T, KVH, D], before `prep` -> [T, H, D]."""
         backend = self.backend
         q, k = backend.write_kv(self, q, k, v, meta, prep)
         if self.calibrate_kv_scales and not meta.decode_only:
             self._calibrate(q, k, v, meta)
         if meta.decode_only:
-            return backend.decode(self, q, meta, out)
-        return backend.prefill(self, q, k, v, meta, out)
+            return backend.decode(self, q, meta)
+        return backend.prefill(self, q, k, v, meta)
 
     def _calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """--calculate-kv-scales: scales from this step's (prepared) k and v, in place; then the step's

@@ -7,7 +7,7 @@ import torch
 
 from engine import cpu_ops
 from engine.attention import torch_ref
-from engine.attention.base import AttentionBackend, AttentionMetadata, QKPrep, into
+from engine.attention.base import AttentionBackend, AttentionMetadata, QKPrep
 from engine.ops import cpu_ops_table
 
 # Sequences with at most this many new tokens take the C kernel (one loop per query, no matmul);
@@ -33,7 +33,7 @@ class CpuBackend(AttentionBackend):
         cpu_ops.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         return q, k
 
-    def prefill(self, layer, q, k, v, meta, out):
+    def prefill(self, layer, q, k, v, meta):
         result = torch.empty(q.shape, dtype=q.dtype)
         short, long = meta.plan
         if short.numel():
@@ -50,10 +50,10 @@ class CpuBackend(AttentionBackend):
             )
         if long:
             torch_ref.prefill(layer, q, k, v, meta, long, result)
-        return into(out, result)
+        return result
 
-    def decode(self, layer, q, meta, out):
-        return self.prefill(layer, q, None, None, meta, out)
+    def decode(self, layer, q, meta):
+        return self.prefill(layer, q, None, None, meta)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, prep: QKPrep | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +82,8 @@ class CpuFp8Backend(CpuBackend):
         )
         return q, k
 
-    def prefill(self, layer, q, k, v, meta, out):
-        return torch_ref.prefill(layer, q, k, v, meta, out=out)
+    def prefill(self, layer, q, k, v, meta):
+        return torch_ref.prefill(layer, q, k, v, meta)
 
-    def decode(self, layer, q, meta, out):
-        return into(out, torch_ref.decode(layer, q, meta))
+    def decode(self, layer, q, meta):
+        return torch_ref.decode(layer, q, meta)

@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata, into
+from engine.attention.base import AttentionMetadata
 from engine.attention.triton import TritonBackend
 
 
@@ -77,7 +77,7 @@ class FlashAttnBackend(TritonBackend):
         if not self.vllm_build:
             meta.plan = F.pad(meta.seq_lens_tensor.cumsum(0, dtype=torch.int32), (1, 0))
 
-    def prefill(self, layer, q, k, v, meta, out):
+    def prefill(self, layer, q, k, v, meta):
         kwargs = dict(
             cu_seqlens_q=meta.query_start_tensor,
             max_seqlen_q=meta.max_query_len,
@@ -92,10 +92,10 @@ class FlashAttnBackend(TritonBackend):
             )
         else:
             result = self.varlen(q, layer.k_cache, layer.v_cache, cu_seqlens_k=meta.plan, **kwargs)
-        return into(out, result)
+        return result
 
-    def decode(self, layer, q, meta, out):
-        return self.prefill(layer, q, None, None, meta, out)
+    def decode(self, layer, q, meta):
+        return self.prefill(layer, q, None, None, meta)
 
 
 class TritonFa4Backend(TritonBackend):
@@ -110,11 +110,11 @@ class TritonFa4Backend(TritonBackend):
         # flash-attn-4 compiles a kernel on its first call of each kind, too.
         self.warmup_prompt_lens = ((9, 8), (min_tokens,))
 
-    def prefill(self, layer, q, k, v, meta, out):
+    def prefill(self, layer, q, k, v, meta):
         if meta.max_query_len < self.min_tokens:
-            return super().prefill(layer, q, k, v, meta, out)
+            return super().prefill(layer, q, k, v, meta)
         result = fa4_prefill(layer, q, k, v, meta)
-        return into(out, result)
+        return result
 
 
 def fa4_prefill(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kv_fp8
-from engine.attention.base import Attention, AttentionBackend, AttentionMetadata, into
+from engine.attention.base import Attention, AttentionBackend, AttentionMetadata
 
 
 class TorchBackend(AttentionBackend):
@@ -20,11 +20,11 @@ class TorchBackend(AttentionBackend):
         )
         return q, k
 
-    def prefill(self, layer, q, k, v, meta, out):
-        return prefill(layer, q, k, v, meta, out=out)
+    def prefill(self, layer, q, k, v, meta):
+        return prefill(layer, q, k, v, meta)
 
-    def decode(self, layer, q, meta, out):
-        return into(out, decode(layer, q, meta))
+    def decode(self, layer, q, meta):
+        return decode(layer, q, meta)
 
 
 def store_kv(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kv_fp8 import is_fp8
 from engine.ops import triton_ops_table
 
 
@@ -19,6 +20,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
     supports_verify_graphs = True
+    supports_prompt_graphs = True
     # Triton compiles a kernel variant per divisibility of an integer argument; a block-table width
     # that is always a multiple of 16 keeps the variants compiled at start-up the only ones.
     pad_block_tables = 16
@@ -32,6 +34,9 @@ class TritonBackend(AttentionBackend):
 
         self.store = qkv_store.prepare_and_store
         self.paged_prefill, self.paged_decode = attention.paged_prefill, decode.paged_decode
+        # The prompt-step graphs' fixed-grid launch of paged_prefill (engine/runner/cuda_graphs.py: PrefillGraphs).
+        self.prefill_tile_capacity, self.prefill_tile_map = attention.prefill_tile_capacity, attention.prefill_tile_map
+        self._queries_per_tile = attention.prefill_queries_per_tile
         self.fresh_fits, self.prefill_fresh = prefill_fresh.fresh_prefill_fits, prefill_fresh.prefill_fresh
         self.decode_num_splits = decode.decode_num_splits
         self.ops = triton_ops_table()
@@ -58,9 +63,14 @@ class TritonBackend(AttentionBackend):
         )
         return q, k
 
-    def prefill(self, layer, q, k, v, meta: AttentionMetadata, out):
-        if meta.fresh and self.fresh_fits(q, k, v):
-            return self.prefill_fresh(q, k, v, meta.query_start_tensor, layer.scale, meta.max_query_len, out=out)
+    def prefill_queries_per_tile(self, layer) -> int:
+        """The query tile of `layer`'s prompt attention (the unit of a tile map)."""
+        return self._queries_per_tile(layer.num_heads, layer.num_kv_heads, is_fp8(layer.k_cache.dtype))
+
+    def prefill(self, layer, q, k, v, meta: AttentionMetadata):
+        # A prompt-step graph's launch (meta.tile_map: a grid fixed at capture) always reads through the cache.
+        if meta.tile_map is None and meta.fresh and self.fresh_fits(q, k, v):
+            return self.prefill_fresh(q, k, v, meta.query_start_tensor, layer.scale, meta.max_query_len)
         return self.paged_prefill(
             q,
             layer.k_cache,
@@ -70,12 +80,12 @@ class TritonBackend(AttentionBackend):
             meta.seq_lens_tensor,
             layer.scale,
             meta.max_query_len,
-            out=out,
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,
+            tile_map=meta.tile_map,
         )
 
-    def decode(self, layer, q, meta, out):
+    def decode(self, layer, q, meta):
         queries = meta.queries_per_seq
         splits = self.decode_num_splits(q.shape[0] // queries, layer.num_kv_heads, self.num_sms)
         return self.paged_decode(
@@ -85,7 +95,6 @@ class TritonBackend(AttentionBackend):
             meta.block_tables,
             meta.seq_lens_tensor,
             layer.scale,
-            out=out,
             num_splits=splits,
             k_scale=layer.k_scale,
             v_scale=layer.v_scale,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -310,6 +311,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    tile_map_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -333,12 +335,21 @@ def _prefill_kernel(
     PRESCALE: tl.constexpr = 1.0,
     UNBIAS: tl.constexpr = 1.0,
     WIDEN_ASM: tl.constexpr = "",
+    TILE_MAP: tl.constexpr = False,
 ):
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-    # Highest query tiles see the most keys; launching them first shortens the tail.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
+    if TILE_MAP:
+        # A fixed grid (a captured graph's): program i runs tile tile_map[i] = (sequence, query tile), or
+        # nothing past the step's tiles (sequence -1).
+        seq = tl.load(tile_map_ptr + 2 * tl.program_id(0))
+        if seq < 0:
+            return
+        tile = tl.load(tile_map_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        # Highest query tiles see the most keys; launching them first shortens the tail.
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
     kvh = tl.program_id(2)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
@@ -498,6 +509,38 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_m(tiles: PrefillTiles, group: int) -> int:
+    return max(tiles.block_m, triton.next_power_of_2(group))
+
+
+def prefill_queries_per_tile(heads: int, kv_heads: int, fp8: bool) -> int:
+    """Queries one paged_prefill program attends (of each of the G = heads / kv_heads heads of its KV head),
+    with the default tiles: the unit of prefill_tile_map."""
+    group = heads // kv_heads
+    return _block_m(PREFILL_TILES["fp8" if fp8 else "16bit"], group) // group
+
+
+def prefill_tile_capacity(num_tokens: int, num_seqs: int, queries_per_tile: int) -> int:
+    """Programs (a KV head) that cover any step of up to `num_tokens` tokens in up to `num_seqs` sequences:
+    each sequence's last tile may be partial, so at most one tile a sequence more than the tokens fill."""
+    return -(-num_tokens // queries_per_tile) + min(num_tokens, num_seqs)
+
+
+def prefill_tile_map(query_lens: np.ndarray, queries_per_tile: int, out: np.ndarray) -> None:
+    """Fill `out` [P, 2] (int32, P at least the tiles needed) with the (sequence, query tile) pairs of a step
+    whose sequences have `query_lens` queries each, the highest tiles (those that see the most keys) first,
+    and (-1, 0) after them: paged_prefill's `tile_map`."""
+    per_seq = -(-query_lens // queries_per_tile)
+    total = int(per_seq.sum())
+    assert total <= len(out), f"{total} query tiles, room for {len(out)}"
+    seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
+    tile = np.arange(total, dtype=np.int32) - np.repeat((np.cumsum(per_seq) - per_seq).astype(np.int32), per_seq)
+    order = np.argsort(-tile, kind="stable")
+    out[:total, 0] = seq[order]
+    out[:total, 1] = tile[order]
+    out[total:] = (-1, 0)
+
+
 def paged_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -511,6 +554,7 @@ def paged_prefill(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch q [T, H, D] against the paged cache -> [T, H, D].
 
@@ -518,18 +562,23 @@ def paged_prefill(
     including those new ones, so query i sits at position seq_lens[s] - q_len + i. An fp8 cache is
     read as stored * k_scale / v_scale (one-element float32 tensors). `tiles` overrides PREFILL_TILES
     (the sweep of bench/gpu_check.py decode-tiles).
+
+    `tile_map` [P, 2] int32 on the device (a CUDA graph's launch, whose grid cannot follow the step): P
+    programs a KV head, program i attending query tile tile_map[i, 1] of sequence tile_map[i, 0] (as
+    prefill_tile_map lays them out), or nothing where that is -1; max_query_len is then not read, and rows
+    of q that no tile covers (a graph's padding) are left as `out` held them.
     """
     out = torch.empty_like(q) if out is None else out
     fp8 = _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
-    if q.shape[0] == 0 or max_query_len == 0:
+    if q.shape[0] == 0 or (tile_map is None and max_query_len == 0):
         return out
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
     tiles = tiles or PREFILL_TILES["fp8" if fp8 else "16bit"]
     launch = {
-        "BLOCK_M": max(tiles.block_m, triton.next_power_of_2(group)),
+        "BLOCK_M": _block_m(tiles, group),
         "BLOCK_N": tiles.block_n if head_dim <= 128 else tiles.block_n // 2,
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
@@ -537,8 +586,13 @@ def paged_prefill(
     }
     if fp8:  # the widening's constexprs; a 16-bit cache passes none, so it compiles as before fp8 caches
         launch.update(asdict(fp8_widen(k_cache.dtype, q.dtype, tiles.widen, q.is_cuda, head_dim)))
-    block_q = launch["BLOCK_M"] // group
-    grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
+    if tile_map is not None:
+        assert tile_map.dim() == 2 and tile_map.shape[1] == 2 and tile_map.dtype == torch.int32
+        assert tile_map.is_contiguous(), "tile_map is read as flat (sequence, tile) pairs"
+        launch["TILE_MAP"] = True
+        grid = (tile_map.shape[0], 1, kv_heads)
+    else:
+        grid = (triton.cdiv(max_query_len, launch["BLOCK_M"] // group), num_seqs, kv_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -550,6 +604,7 @@ def paged_prefill(
         # None (a constexpr) for a 16/32-bit cache: the kernel compiles as it did before fp8 caches.
         k_scale if fp8 else None,
         v_scale if fp8 else None,
+        tile_map,  # None (a constexpr) without a map
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),

@@ -1,4 +1,4 @@
-"""CUDA graphs: whole decode and verify steps, and prompt steps captured in pieces between the attention calls.
+"""CUDA graphs: whole decode, verify and prompt steps.
 
 Decode (DecodeGraphs): the forward + lm_head of a batch of one-token queries, one graph per bucketed
 batch size. A replay costs one launch instead of one per kernel, which is what decode steps of
@@ -10,16 +10,9 @@ the split-KV decode kernel with a causal mask inside the sequence's rows (engine
 
 Prompt steps (PrefillGraphs): a prompt (or mixed prompt + decode) step launches ~10 kernels per
 layer from Python; at a few hundred tokens the GPU finishes each faster than the host can launch
-the next, so such a step is bound by the host. Everything but attention depends on the number of
-tokens alone, so it is captured once per padded token count: graph 0 runs the embedding and layer 0
-up to its attention, graph i from attention i-1 to attention i, the last one the final norm.
-Attention itself (with the q/k norm, rotary and KV store fused before it) depends on the step's
-sequences (their lengths, slots, block tables), so it runs eagerly between the replays, on the real
-tokens only: one graph replay and two kernel launches per layer instead of ~10 launches.
-
-Padded tokens (past the step's real ones, up to the captured size) sit at position 0; attention
-never reads or writes them (the KV store and the attention kernels see only the real tokens), and
-every other op is row-wise, so their garbage stays in their own rows.
+the next, so such a step is bound by the host. Whole steps of up to max_prefill_graph_tokens tokens are
+captured once per padded token count; the prompt attention kernel reads which (sequence, query tile)
+each of its programs runs from a map the host fills a step, so its grid is the captured size's.
 """
 
 from __future__ import annotations
@@ -28,13 +21,12 @@ import contextlib
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.attention import Attention, AttentionMetadata, QKPrep
-from engine.runner.step_inputs import attention_metadata, block_table_array
+from engine.attention import AttentionMetadata
+from engine.runner.step_inputs import block_table_array
 
 log = logging.getLogger("pagoda.runner")
 
@@ -283,19 +275,6 @@ def stage_verify(
     return rows
 
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every capture, as torch.cuda.graph does: cuBLAS keeps a
-    workspace per stream, allocated in the graphs' pool on first use and never freed, so a stream
-    per captured size cost ~64 MiB a size (and one per PrefillGraphs, a workspace per start-up
-    capture; the runner captures twice, once to measure)."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
-
-
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """Captured token counts: every 16 to 64, every 32 to 256, then every 64; a step pads up to
     the next one (at most 1/4 more rows above 256 tokens, where the matmuls start to cost)."""
@@ -303,165 +282,155 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max_tokens]
 
 
-@dataclass
-class _Pieces:
-    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)  # one more than attention layers
-    preps: list[QKPrep | None] = field(default_factory=list)  # each attention call's q/k preparation
-    hidden: torch.Tensor | None = None  # the last graph's output: final hidden states
-
-
-@dataclass
-class _AttentionBuffers:
-    """The attention calls' inputs and output, shared by every layer and captured size (one layer
-    and one size run at a time): graph i copies q, k and v here, attention i writes `out`, graph
-    i+1 reads it. Tensors the graphs keep for themselves would cost a set per layer and size."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-
-
-class _Recorder:
-    """Installed as every attention layer's `split` during a capture: ends the graph being
-    captured (after copying q, k, v into the shared buffers) and begins the next one."""
-
-    def __init__(self, pieces: _Pieces, buffers: _AttentionBuffers, pool):
-        self.pieces, self.buffers, self.pool = pieces, buffers, pool
-        self.graph = torch.cuda.CUDAGraph()
-
-    def begin(self) -> None:
-        self.graph.capture_begin(pool=self.pool)
-
-    def end(self) -> None:
-        self.graph.capture_end()
-        self.pieces.graphs.append(self.graph)
-        self.graph = torch.cuda.CUDAGraph()
-
-    def __call__(self, attn: Attention, q, k, v, meta: AttentionMetadata, prep: QKPrep | None) -> torch.Tensor:
-        n, b = q.shape[0], self.buffers
-        b.q[:n].copy_(q)
-        b.k[:n].copy_(k)
-        b.v[:n].copy_(v)
-        self.pieces.preps.append(prep)
-        self.end()
-        self.begin()
-        return b.out[:n]
-
-
 class PrefillGraphs:
-    """Piecewise CUDA graphs of the forward for steps of up to `max_tokens` tokens (any mix of
-    prompt chunks and decodes), one set per size of prefill_graph_sizes; all share one pool."""
+    """Whole-step CUDA graphs of the forward for steps with prompt tokens, up to `max_tokens` tokens in all (any
+    mix of prompt chunks, with or without cached context, and decodes) in up to `max_seqs` sequences, one graph
+    per size of prefill_graph_sizes, all reading the same static buffers and sharing one pool.
 
-    def __init__(self, runner, max_tokens: int):
+    The step's sequences enter through those buffers: slots, query starts, lengths, block tables, and the tile
+    map of the prompt attention kernel, whose grid is fixed at capture (engine/kernels/attention.py:
+    prefill_tile_map). Padded tokens, past the step's real ones up to the captured size, sit at position 0,
+    store nothing (slot -1) and belong to no tile, so attention never reads or writes them; every other op is
+    row-wise, so their garbage stays in their own rows."""
+
+    def __init__(self, runner, max_tokens: int, max_seqs: int, max_model_len: int):
         self.runner = runner
         self.sizes = prefill_graph_sizes(max_tokens)
         device = runner.device
         max_tokens = self.sizes[-1]
-        self.inputs = torch.zeros(2, max_tokens, dtype=torch.long, device=device)  # token ids, positions
-        self.input_ids, self.positions = self.inputs
-        # Two pinned staging buffers, alternating (see DecodeGraphs.run).
-        self.host = [torch.zeros(2, max_tokens, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.max_seqs = s = min(max_seqs, max_tokens)
+        self.max_model_len = max_model_len
+        self.backend = backend = runner.backend
+        self.tile_queries = backend.prefill_queries_per_tile(runner.model.attention_layers()[0])
+        capacity = self.tile_capacity(max_tokens)
+        # int64 rows: token ids, positions, KV slots; int32: the tile map, query starts and sequence lengths; the
+        # block tables. Each has a pinned host twin per turn (see DecodeGraphs.run) and goes up in one copy.
+        self.inputs = torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs
+        self.slot_mapping.fill_(-1)
+        self.lengths = torch.zeros(2 * capacity + 2 * s + 1, dtype=torch.int32, device=device)
+        self.tile_map, self.query_start, self.seq_lens = self._split_lengths(self.lengths, capacity)
+        self.tile_map[:, 0] = -1  # the warm-up and capture runs attend nothing
+        self.block_tables = torch.zeros(s, -(-max_model_len // runner.block_size), dtype=torch.int32, device=device)
+        buffers = (self.inputs, self.lengths, self.block_tables)
+        self.host = [tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for t in buffers) for _ in range(2)]
         self.turn = 0
-        mc = runner.model.config
-        dtype = runner.dtype
-        self.buffers = _AttentionBuffers(
-            *(
-                torch.zeros(max_tokens, heads, mc.head_dim, dtype=dtype, device=device)
-                for heads in (mc.num_heads, mc.num_kv_heads, mc.num_kv_heads, mc.num_heads)
-            )
-        )
-        self.layers = runner.model.attention_layers()
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each turn's copies
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps run through the graphs (tests read it)
-        self.pieces: dict[int, _Pieces] = {}
-        pool = torch.cuda.graph_pool_handle()
-        self.capture_stream = _capture_stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.empty_cache()  # so that the logged growth is the graphs' pool, not cached eager blocks
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self._capture(size, pool)
+            self._capture(size)
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
         log.info(
-            "captured piecewise prefill CUDA graphs for %d sizes (%d..%d tokens, %d pieces each) in %.1f s, "
-            "using %.2f GiB",
+            "captured %d prompt-step CUDA graphs (%d..%d tokens, up to %d sequences) in %.1f s, using %.2f GiB",
             len(self.sizes),
             self.sizes[0],
             self.sizes[-1],
-            len(self.pieces[max_tokens].graphs),
+            s,
             time.perf_counter() - start,
             (torch.cuda.memory_reserved(device) - reserved) / 2**30,
         )
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.sizes[-1]
+    def tile_capacity(self, size: int) -> int:
+        return self.backend.prefill_tile_capacity(size, self.max_seqs, self.tile_queries)
 
-    def _dummy_meta(self, size: int) -> AttentionMetadata:
-        """One sequence of `size` fresh tokens in block 0 that stores nothing: what the warm-up forward
-        attends with (the graphs themselves never see it)."""
-        runner = self.runner
-        meta = attention_metadata(
-            runner.backend,
-            runner.block_size,
-            runner.device,
-            [size],
-            np.arange(size),
-            [[0] * -(-size // runner.block_size)],
-        )
-        meta.slot_mapping.fill_(-1)
-        return meta
+    def _split_lengths(self, lengths, capacity: int):
+        """(tile map [capacity, 2], query starts [max_seqs + 1], sequence lengths [max_seqs]) views of `lengths`."""
+        s = self.max_seqs
+        tiles = 2 * capacity
+        # reshape, not view: the host twin is read as a numpy array, whose view() takes a dtype.
+        return lengths[:tiles].reshape(capacity, 2), lengths[tiles : tiles + s + 1], lengths[tiles + s + 1 :]
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.sizes[-1] and num_seqs <= self.max_seqs
 
     @torch.inference_mode()
-    def _capture(self, size: int, pool) -> None:
-        model = self.runner.model
-        meta = self._dummy_meta(size)
-        model(self.input_ids[:size], self.positions[:size], meta)  # compile / autotune outside the capture
+    def _capture(self, size: int) -> None:
+        model, backend = self.runner.model, self.runner.backend
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start=[0, size],  # host copies unused by the graph backends
+            seq_lens=[size],
+            block_tables=self.block_tables,
+            seq_lens_tensor=self.seq_lens,
+            query_start_tensor=self.query_start,
+            max_query_len=size,
+            max_seq_len=self.max_model_len,
+            tile_map=self.tile_map[: self.tile_capacity(size)],
+        )
+
+        def forward() -> torch.Tensor:
+            backend.plan(meta)
+            return model(self.input_ids[:size], self.positions[:size], meta)
+
+        forward()  # compile / autotune outside the capture
         torch.cuda.synchronize(self.runner.device)
-        pieces = _Pieces()
-        recorder = _Recorder(pieces, self.buffers, pool)
-        layers = self.layers
-        stream = self.capture_stream
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        try:
-            for attn in layers:
-                attn.split = recorder
-            with no_collection(), torch.cuda.stream(stream):
-                recorder.begin()
-                pieces.hidden = model(self.input_ids[:size], self.positions[:size], meta)
-                recorder.end()
-        finally:
-            for attn in layers:
-                attn.split = None
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
-        assert len(pieces.graphs) == len(layers) + 1, "every attention layer must split the forward once"
-        self.pieces[size] = pieces
+        graph = torch.cuda.CUDAGraph()
+        with no_collection(), torch.cuda.graph(graph, pool=self.pool):
+            self.hidden[size] = forward()
+        self.graphs[size] = graph
 
     @torch.inference_mode()
     def run(
         self,
         token_ids: np.ndarray,
         positions: np.ndarray,
-        meta: AttentionMetadata,
+        num_new: np.ndarray,
+        tables: list[np.ndarray],
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The forward of len(token_ids) tokens: [tokens, hidden] final hidden states."""
-        n = len(token_ids)
+        """The forward of a step whose sequences compute num_new[s] of the flat `token_ids` at `positions`
+        each, with block tables `tables`: [tokens, hidden] final hidden states. `fill`: as DecodeGraphs.run."""
+        n, num_seqs, bs = len(token_ids), len(num_new), self.runner.block_size
         size = next(s for s in self.sizes if s >= n)
         self.turn ^= 1
-        host_tensor = self.host[self.turn]
-        host = host_tensor.numpy()
-        host[0, :n] = token_ids
-        host[1, :n] = positions
-        host[:, n:size] = 0
-        self.inputs[:, :size].copy_(host_tensor[:, :size], non_blocking=True)
+        self.staged[self.turn].synchronize()  # the copies of two steps back (DecodeGraphs.run says why)
+        inputs_host, lengths_host, tables_host = self.host[self.turn]
+        tile_map, query_start, seq_lens = self._split_lengths(lengths_host.numpy(), len(self.tile_map))
+        host_tables = tables_host.numpy()
+        width = stage_prompt_step(
+            inputs_host.numpy(), query_start, seq_lens, host_tables, size, bs, token_ids, positions, num_new, tables
+        )
+        self.backend.prefill_tile_map(num_new, self.tile_queries, tile_map[: self.tile_capacity(size)])
+        self.inputs[:, :size].copy_(inputs_host[:, :size], non_blocking=True)
+        self.lengths.copy_(lengths_host, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(tables_host[:num_seqs, :width], non_blocking=True)
+        self.staged[self.turn].record()
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
-        pieces = self.pieces[size]
         self.replays += 1
-        b = self.buffers
-        for graph, attn, prep in zip(pieces.graphs, self.layers, pieces.preps):
-            graph.replay()
-            # prep holds positions[:size] of the static buffer: the kernel reads the real tokens' first n.
-            attn(b.q[:n], b.k[:n], b.v[:n], meta, prep, out=b.out[:n])
-        pieces.graphs[-1].replay()
-        return pieces.hidden[:n]
+        self.graphs[size].replay()
+        return self.hidden[size][:n]
+
+
+def stage_prompt_step(
+    host: np.ndarray,
+    query_start: np.ndarray,
+    seq_lens: np.ndarray,
+    tables_host: np.ndarray,
+    size: int,
+    block_size: int,
+    token_ids: np.ndarray,
+    positions: np.ndarray,
+    num_new: np.ndarray,
+    tables: list[np.ndarray],
+) -> int:
+    """Write a prompt step's inputs into PrefillGraphs' host buffers: `host` rows token ids, positions and KV slots,
+    padded to `size` (position 0, slot -1); query starts and sequence lengths; the block tables into `tables_host`.
+    Returns the tables' width."""
+    n, num_seqs = len(token_ids), len(num_new)
+    width = block_table_array(tables, tables_host)
+    host[0, :n] = token_ids
+    host[1, :n] = positions
+    seq_of = np.repeat(np.arange(num_seqs), num_new)
+    host[2, :n] = tables_host[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    host[:2, n:size] = 0
+    host[2, n:size] = -1
+    query_start[0] = 0
+    np.cumsum(num_new, out=query_start[1 : num_seqs + 1])
+    seq_lens[:num_seqs] = positions[query_start[1 : num_seqs + 1] - 1] + 1
+    return width

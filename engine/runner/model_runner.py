@@ -175,9 +175,9 @@ class ModelRunner(LoadedModel):
             torch.cuda.synchronize(self.device)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture the decode graphs and the piecewise prompt-step graphs, with speculative decoding the
-        verify graphs and the draft model's decode graphs, when the device and backend allow them and they
-        are not turned off."""
+        """Capture the decode graphs and the prompt-step graphs (backends that support them), with speculative
+        decoding the verify graphs and the draft model's decode graphs, when the device and backend allow them and
+        they are not turned off."""
         if not self.graphs_enabled():
             log.info("no CUDA graphs: %s", self.why_no_graphs())
             return
@@ -198,8 +198,8 @@ class ModelRunner(LoadedModel):
                 pool=self.graphs.pool,
             )
         max_tokens = min(self.config.max_prefill_graph_tokens, self.config.max_num_batched_tokens)
-        if max_tokens >= 16:
-            self.prefill_graphs = PrefillGraphs(self, max_tokens)
+        if max_tokens >= 16 and self.backend.supports_prompt_graphs:
+            self.prefill_graphs = PrefillGraphs(self, max_tokens, self.config.max_num_seqs, max_model_len)
         if self.draft is not None and self.draft.graphs_enabled():
             self.draft.capture_cuda_graphs(max_batch, max_model_len)
 
@@ -208,6 +208,11 @@ class ModelRunner(LoadedModel):
         for attn in self.model.attention_layers():
             attn.calibrate_kv_scales = True
         log.info("fp8 KV cache: the K/V scales will be computed from the first prompt step, then kept")
+
+    @property
+    def _calibrating(self) -> bool:
+        """The next prompt step sets the fp8 K/V scales (every layer's flag is set and cleared in one step)."""
+        return self.model.attention_layers()[0].calibrate_kv_scales
 
     # ----- the step -----
 
@@ -261,12 +266,14 @@ class ModelRunner(LoadedModel):
             select = _scored_tokens(inputs.ends[rows] - 1, drafts)
             logits = verify.run(inputs.token_ids, inputs.positions, inputs.tables, fill, inputs.num_new, select)
         else:
-            meta = attention_metadata(
-                self.backend, self.block_size, self.device, inputs.num_new, inputs.positions, inputs.tables
-            )
-            if self.prefill_graphs is not None and self.prefill_graphs.fits(len(inputs.token_ids)):
-                hidden = self.prefill_graphs.run(inputs.token_ids, inputs.positions, meta, fill)
+            graphs = self.prefill_graphs
+            # The step that sets --calculate-kv-scales' scales runs eagerly: the graphs hold no calibration.
+            if graphs is not None and graphs.fits(len(inputs.token_ids), len(inputs.seqs)) and not self._calibrating:
+                hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.num_new, inputs.tables, fill)
             else:
+                meta = attention_metadata(
+                    self.backend, self.block_size, self.device, inputs.num_new, inputs.positions, inputs.tables
+                )
                 input_ids = upload(inputs.token_ids, self.device)
                 if fill is not None:
                     input_ids[fill[0]] = fill[1]

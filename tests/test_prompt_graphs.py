@@ -1,0 +1,82 @@
+"""The prompt-step graphs' layout (engine/runner/cuda_graphs.py: PrefillGraphs), on the CPU: a mixed step staged
+into the graphs' buffers as run() stages them, its forward run over the padded size with the fixed-grid prompt
+attention (the tile map), gives the eager step's logits. tests/test_cuda.py replays the graphs themselves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.llm import LLM
+from engine.runner.cuda_graphs import stage_prompt_step
+from engine.runner.step_inputs import attention_metadata
+
+pytest.importorskip("triton")
+
+
+@torch.inference_mode()
+def eager_logits(runner, token_ids, positions, tables, num_new):
+    """Every token's logits from the eager step (what the runner runs without graphs)."""
+    meta = attention_metadata(runner.backend, runner.block_size, runner.device, num_new, positions, tables)
+    return runner.model.compute_logits(runner.model(torch.from_numpy(token_ids), torch.from_numpy(positions), meta))
+
+
+@torch.inference_mode()
+def graph_layout_logits(runner, size, max_seqs, token_ids, positions, tables, num_new, select):
+    """The forward a prompt-step graph of `size` tokens captures, run eagerly on inputs staged as run() stages them."""
+    backend = runner.backend
+    per_tile = backend.prefill_queries_per_tile(runner.model.attention_layers()[0])
+    capacity = backend.prefill_tile_capacity(size, max_seqs, per_tile)
+    host = np.full((3, size), 99, dtype=np.int64)  # stale values the staging must overwrite
+    query_start = np.full(max_seqs + 1, 7, dtype=np.int32)
+    seq_lens = np.full(max_seqs, 7, dtype=np.int32)
+    tables_host = np.full((max_seqs, 64), 3, dtype=np.int32)
+    tile_map = np.full((capacity, 2), 5, dtype=np.int32)
+    bs = runner.block_size
+    stage_prompt_step(host, query_start, seq_lens, tables_host, size, bs, token_ids, positions, num_new, tables)
+    backend.prefill_tile_map(num_new, per_tile, tile_map)
+    n = len(token_ids)
+    assert (host[2, n:] == -1).all() and (host[1, n:] == 0).all(), "padding stores nothing, at position 0"
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(host[2]),
+        query_start=[0, size],
+        seq_lens=[size],
+        block_tables=torch.from_numpy(tables_host),
+        seq_lens_tensor=torch.from_numpy(seq_lens),
+        query_start_tensor=torch.from_numpy(query_start),
+        max_query_len=size,
+        max_seq_len=256,
+        tile_map=torch.from_numpy(tile_map),
+    )
+    backend.plan(meta)
+    hidden = runner.model(torch.from_numpy(host[0]), torch.from_numpy(host[1]), meta)
+    return runner.model.compute_logits(hidden[torch.from_numpy(select)])
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="runs the kernels in Triton's interpreter, off on a GPU (tests/test_cuda.py)"
+)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_graph_layout_gives_the_eager_steps_logits(arch, tiny_model_dir):
+    """A step mixing a fresh prompt, a chunk after cached context, two decodes and a one-token chunk, padded
+    from 60 to 96 tokens in a graph for up to 8 sequences: every token's logits equal the eager step's."""
+    llm = LLM(
+        str(tiny_model_dir(arch)), dtype="float32", device="cpu", attention_backend="triton", cpu_kv_cache_bytes=1 << 24
+    )
+    runner = llm.engine.runner
+    gen = np.random.default_rng(9)
+    contexts, num_new = [0, 37, 70, 5, 16], np.array([30, 20, 1, 1, 8])
+    tables = [np.arange(10 * s + 9, 10 * s, -1, dtype=np.int32) for s in range(len(contexts))]  # descending
+    cached = [i for i, c in enumerate(contexts) if c]
+    prompt_pos = np.concatenate([np.arange(contexts[i]) for i in cached])
+    ids = gen.integers(0, 500, size=len(prompt_pos))
+    eager_logits(runner, ids, prompt_pos, [tables[i] for i in cached], [contexts[i] for i in cached])
+    positions = np.concatenate([np.arange(c, c + m) for c, m in zip(contexts, num_new)])
+    token_ids = gen.integers(0, 500, size=len(positions))
+    select = np.arange(len(positions))
+    got = graph_layout_logits(runner, 96, 8, token_ids, positions, tables, num_new, select)
+    want = eager_logits(runner, token_ids, positions, tables, num_new)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
