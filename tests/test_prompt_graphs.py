@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.torch_ref import TorchBackend
 from engine.llm import LLM
 from engine.runner.cuda_graphs import stage_prompt_step
 from engine.runner.step_inputs import attention_metadata
@@ -80,3 +81,34 @@ def test_prompt_graph_layout_gives_the_eager_steps_logits(arch, tiny_model_dir):
     want = eager_logits(runner, token_ids, positions, tables, num_new)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_staged_prompt_step_equals_the_eager_metadata():
+    """Random steps (1-8 sequences, contexts 0-90, 1-40 new tokens, blocks in any order), staged into buffers holding
+    an earlier step's values: slots, query starts and lengths are the eager step's (attention_metadata), padding
+    stores nothing at position 0, and each sequence's row of the tables begins with its blocks."""
+    gen = np.random.default_rng(3)
+    host = np.full((3, 512), 77, dtype=np.int64)
+    query_start, seq_lens = np.full(9, 55, dtype=np.int32), np.full(8, 55, dtype=np.int32)
+    tables_host = np.full((8, 16), 44, dtype=np.int32)
+    for _ in range(50):
+        num_seqs = int(gen.integers(1, 9))
+        contexts, num_new = gen.integers(0, 91, num_seqs), gen.integers(1, 41, num_seqs)
+        tables = [gen.permutation(200)[: -(-(c + m) // 16)].astype(np.int32) for c, m in zip(contexts, num_new)]
+        positions = np.concatenate([np.arange(c, c + m) for c, m in zip(contexts, num_new)])
+        size = -(-len(positions) // 16) * 16 + int(gen.integers(0, 2)) * 16
+        tokens = gen.integers(0, 1000, len(positions))
+        width = stage_prompt_step(
+            host, query_start, seq_lens, tables_host, size, 16, tokens, positions, num_new, tables
+        )
+        meta = attention_metadata(TorchBackend(), 16, torch.device("cpu"), num_new, positions, tables)
+        n = len(tokens)
+        assert (host[0, :n] == tokens).all() and (host[1, :n] == positions).all()
+        assert (host[2, :n] == meta.slot_mapping.numpy()).all()
+        assert (host[:2, n:size] == 0).all() and (host[2, n:size] == -1).all()
+        assert (query_start[: num_seqs + 1] == meta.query_start_tensor.numpy()).all()
+        assert (seq_lens[:num_seqs] == meta.seq_lens_tensor.numpy()).all()
+        longest = max(map(len, tables))
+        assert width == -(-longest // 16) * 16
+        for row, table in zip(tables_host, tables):  # past a row's blocks: an earlier step's ids, never read
+            assert (row[: len(table)] == table).all()
