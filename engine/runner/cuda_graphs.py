@@ -325,6 +325,7 @@ class PrefillGraphs:
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._capture(size)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up forwards' eager blocks
         log.info(
             "captured %d prompt-step CUDA graphs (%d..%d tokens, up to %d sequences) in %.1f s, using %.2f GiB",
             len(self.sizes),
