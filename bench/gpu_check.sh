@@ -9,7 +9,9 @@ export OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 # The device image lacks pagoda's pure-Python test dependencies (gguf, which the default model's loader imports,
 # jsonschema): carried as `.whl/dev`, they go into a site of their own (without it the default-model tests
-# error in their fixtures with "No module named 'gguf'").
+# error in their fixtures with "No module named 'gguf'", and the speculative-decoding ones do not collect). Here,
+# ~0.7 MB: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#   --platform manylinux_2_17_x86_64 -d .whl/dev gguf jsonschema jsonschema-specifications referencing rpds-py attrs
 if [ -d .whl/dev ] && ! python3 -c "import gguf" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /root/dev_site .whl/dev/*.whl && export PYTHONPATH=$PYTHONPATH:/root/dev_site
 fi
