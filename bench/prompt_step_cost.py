@@ -7,8 +7,8 @@ instead of together (speculation puts a closed loop's sequences out of step, so 
 Synchronous steps (async scheduling off, so each step() is one whole step): `--batch` - j sequences decoding and j
 prompts of --prompt-len tokens joining in one step, for j = 1 and j = --batch (all start together: the step is
 prompts only), against plain decode steps of the --batch - 1 sequences the one-prompt steps join. Prints the
-median ms of each kind over --repeats, then, for the one-prompt step, a cProfile of the host's work (own time per
-function) and a torch.profiler table of its kernels (on cuda).
+median ms of each kind over --repeats (and the lower and upper quartiles), then, for the one-prompt step, a
+cProfile of the host's work (own time per function) and a torch.profiler table of its kernels (on cuda).
 """
 
 from __future__ import annotations
@@ -100,13 +100,16 @@ def main() -> None:
                             joined(1)
                     kernels = tp.key_averages().table(sort_by="self_device_time_total", row_limit=15)
         row = {k: round(1e3 * statistics.median(v), 3) for k, v in results.items()}
+        # The quartiles too: between runs (and machines) the medians move by more than a change may (see WRITEUP).
+        spread = {k: [round(1e3 * q, 3) for q in statistics.quantiles(v, n=4)[::2]] for k, v in results.items()}
         print("median ms:", row)
+        print("quartiles ms:", spread)
         print(host_profile)
         if kernels:
             print(kernels)
         commit = short_commit()
         row = {"mode": "prompt-step-cost", "device": a.device, "batch": a.batch, "prompt_len": a.prompt_len,
-               "median_ms": row, "commit": commit}  # fmt: skip
+               "median_ms": row, "quartiles_ms": spread, "commit": commit}  # fmt: skip
         if a.device == "cuda":
             row["device_name"] = torch.cuda.get_device_name()
         print("RESULT", json.dumps(row))
