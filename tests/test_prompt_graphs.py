@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import Attention, AttentionMetadata
 from engine.attention.torch_ref import TorchBackend
 from engine.llm import LLM
 from engine.runner.cuda_graphs import stage_prompt_step
@@ -112,3 +112,37 @@ def test_staged_prompt_step_equals_the_eager_metadata():
         assert width == -(-longest // 16) * 16
         for row, table in zip(tables_host, tables):  # past a row's blocks: an earlier step's ids, never read
             assert (row[: len(table)] == table).all()
+
+
+def test_prompt_graph_backends():
+    """Which backends the prompt-step graphs capture: flash_attn's varlen kernel sizes its grid from the step's
+    lengths on the host, so it runs prompt steps eagerly; with flash-attn-4 for long prompts, a graph's launch of
+    any captured size (even past fa4_prefill_min_tokens) stays on Triton's tile map (checked against the reference
+    without flash-attn-4 installed: taking fa4's path would fail)."""
+    from engine.attention.flash_attn import FlashAttnBackend, TritonFa4Backend
+    from engine.attention.triton import TritonBackend
+    from tests.attention_reference import make_batch, reference
+
+    assert TritonBackend.supports_prompt_graphs and not FlashAttnBackend.supports_prompt_graphs
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = TritonFa4Backend(device, min_tokens=16)
+    q_lens = [20, 1, 13]
+    batch = make_batch([0, 9, 30], q_lens, 4, 2, 64, 16, torch.float32, device=device)
+    layer = Attention(4, 2, 64, backend)
+    layer.k_cache, layer.v_cache = batch["k_cache"], batch["v_cache"]
+    per_tile = backend.prefill_queries_per_tile(layer)
+    tile_map = np.empty((backend.prefill_tile_capacity(48, 4, per_tile), 2), dtype=np.int32)
+    backend.prefill_tile_map(np.array(q_lens), per_tile, tile_map)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+        query_start=[0, 48],
+        seq_lens=[48],
+        block_tables=batch["block_tables"],
+        seq_lens_tensor=batch["seq_lens"],
+        query_start_tensor=batch["query_start"],
+        max_query_len=48,  # a graph's captured size, past min_tokens
+        max_seq_len=256,
+        tile_map=torch.from_numpy(tile_map).to(device),
+    )
+    out = backend.prefill(layer, batch["q"], None, None, meta)
+    torch.testing.assert_close(out, reference(**batch), rtol=1e-4, atol=1e-4)

@@ -66,6 +66,7 @@ class FlashAttnBackend(TritonBackend):
 
     name = "flash_attn"
     supports_verify_graphs = False  # its decode is the varlen prefill, which knows no padded query rows
+    supports_prompt_graphs = False  # the varlen kernel's grid follows the step's lengths, read on the host
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -111,7 +112,8 @@ class TritonFa4Backend(TritonBackend):
         self.warmup_prompt_lens = ((9, 8), (min_tokens,))
 
     def prefill(self, layer, q, k, v, meta):
-        if meta.max_query_len < self.min_tokens:
+        # A prompt-step graph's launch (meta.tile_map) stays Triton's, whatever its captured size.
+        if meta.tile_map is not None or meta.max_query_len < self.min_tokens:
             return super().prefill(layer, q, k, v, meta)
         result = fa4_prefill(layer, q, k, v, meta)
         return result
