@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import Attention, AttentionMetadata
+from engine.attention import Attention
 from engine.attention.torch_ref import TorchBackend
 from engine.llm import LLM
-from engine.runner.cuda_graphs import stage_prompt_step
+from engine.runner.cuda_graphs import prompt_metadata, stage_prompt_step
 from engine.runner.step_inputs import attention_metadata
 
 pytest.importorskip("triton")
@@ -40,17 +40,8 @@ def graph_layout_logits(runner, size, max_seqs, token_ids, positions, tables, nu
     backend.prefill_tile_map(num_new, per_tile, tile_map)
     n = len(token_ids)
     assert (host[2, n:] == -1).all() and (host[1, n:] == 0).all(), "padding stores nothing, at position 0"
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(host[2]),
-        query_start=[0, size],
-        seq_lens=[size],
-        block_tables=torch.from_numpy(tables_host),
-        seq_lens_tensor=torch.from_numpy(seq_lens),
-        query_start_tensor=torch.from_numpy(query_start),
-        max_query_len=size,
-        max_seq_len=256,
-        tile_map=torch.from_numpy(tile_map),
-    )
+    buffers = (host[2], tables_host, seq_lens, query_start, tile_map)
+    meta = prompt_metadata(size, *map(torch.from_numpy, buffers), 256)
     backend.plan(meta)
     hidden = runner.model(torch.from_numpy(host[0]), torch.from_numpy(host[1]), meta)
     return runner.model.compute_logits(hidden[torch.from_numpy(select)])
@@ -133,16 +124,9 @@ def test_prompt_graph_backends():
     per_tile = backend.prefill_queries_per_tile(layer)
     tile_map = np.empty((backend.prefill_tile_capacity(48, 4, per_tile), 2), dtype=np.int32)
     backend.prefill_tile_map(np.array(q_lens), per_tile, tile_map)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
-        query_start=[0, 48],
-        seq_lens=[48],
-        block_tables=batch["block_tables"],
-        seq_lens_tensor=batch["seq_lens"],
-        query_start_tensor=batch["query_start"],
-        max_query_len=48,  # a graph's captured size, past min_tokens
-        max_seq_len=256,
-        tile_map=torch.from_numpy(tile_map).to(device),
-    )
+    tables, lens, starts = batch["block_tables"], batch["seq_lens"], batch["query_start"]
+    no_slots = torch.zeros(0, dtype=torch.long, device=device)  # prefill() stores nothing
+    # A graph of 48 tokens: its max_query_len (the captured size) is past min_tokens.
+    meta = prompt_metadata(48, no_slots, tables, lens, starts, torch.from_numpy(tile_map).to(device), 256)
     out = backend.prefill(layer, batch["q"], None, None, meta)
     torch.testing.assert_close(out, reference(**batch), rtol=1e-4, atol=1e-4)

@@ -589,6 +589,7 @@ def paged_prefill(
     if tile_map is not None:
         assert tile_map.dim() == 2 and tile_map.shape[1] == 2 and tile_map.dtype == torch.int32
         assert tile_map.is_contiguous(), "tile_map is read as flat (sequence, tile) pairs"
+        assert tiles is PREFILL_TILES["fp8" if fp8 else "16bit"], "a tile map's tiles are the default ones"
         launch["TILE_MAP"] = True
         grid = (tile_map.shape[0], 1, kv_heads)
     else:

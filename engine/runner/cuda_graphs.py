@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.runner.step_inputs import block_table_array
+from engine.runner.step_inputs import block_table_array, token_slots
 
 log = logging.getLogger("pagoda.runner")
 
@@ -196,7 +196,7 @@ class DecodeGraphs:
             host[0, :n] = token_ids
             pos = host[1, :n]
             pos[:] = positions
-            host[2, :n] = tables_host[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+            host[2, :n] = token_slots(tables_host, np.arange(n), pos, bs)
             # Padded rows: position 0 (so one key to attend to), and no KV store.
             host[1, n:batch] = 0
             host[2, n:batch] = -1
@@ -261,7 +261,7 @@ def stage_verify(
     ends = np.cumsum(num_new)
     rows = np.repeat(np.arange(n) * q - (ends - num_new), num_new) + np.arange(len(token_ids))
     seq_of = np.repeat(np.arange(n), num_new)
-    slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+    slots = token_slots(tables, seq_of, positions, bs)
     size = batch * q
     host[0, :size] = 0
     host[0, rows] = token_ids
@@ -351,17 +351,15 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
-        model, backend = self.runner.model, self.runner.backend
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start=[0, size],  # host copies unused by the graph backends
-            seq_lens=[size],
-            block_tables=self.block_tables,
-            seq_lens_tensor=self.seq_lens,
-            query_start_tensor=self.query_start,
-            max_query_len=size,
-            max_seq_len=self.max_model_len,
-            tile_map=self.tile_map[: self.tile_capacity(size)],
+        model, backend = self.runner.model, self.backend
+        meta = prompt_metadata(
+            size,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start,
+            self.tile_map[: self.tile_capacity(size)],
+            self.max_model_len,
         )
 
         def forward() -> torch.Tensor:
@@ -408,6 +406,30 @@ class PrefillGraphs:
         return self.hidden[size][:n]
 
 
+def prompt_metadata(
+    size: int,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    tile_map: torch.Tensor,
+    max_model_len: int,
+) -> AttentionMetadata:
+    """The metadata of a prompt-step graph of `size` tokens (PrefillGraphs) over its buffers: what the step's
+    sequences are comes from the device tensors alone, filled a step by stage_prompt_step and the tile map."""
+    return AttentionMetadata(
+        slot_mapping=slot_mapping[:size],
+        query_start=[0, size],  # host copies unused by the graph backends
+        seq_lens=[size],
+        block_tables=block_tables,
+        seq_lens_tensor=seq_lens,
+        query_start_tensor=query_start,
+        max_query_len=size,
+        max_seq_len=max_model_len,
+        tile_map=tile_map,
+    )
+
+
 def stage_prompt_step(
     host: np.ndarray,
     query_start: np.ndarray,
@@ -427,8 +449,7 @@ def stage_prompt_step(
     width = block_table_array(tables, tables_host)
     host[0, :n] = token_ids
     host[1, :n] = positions
-    seq_of = np.repeat(np.arange(num_seqs), num_new)
-    host[2, :n] = tables_host[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    host[2, :n] = token_slots(tables_host, np.repeat(np.arange(num_seqs), num_new), positions, block_size)
     host[:2, n:size] = 0
     host[2, n:size] = -1
     query_start[0] = 0

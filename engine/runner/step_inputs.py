@@ -113,6 +113,12 @@ def block_table_array(
     return array if out is None else width
 
 
+def token_slots(tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot (int64) of each token at `positions`, token i of sequence seq_index[i] whose block table is
+    row seq_index[i] of `tables`: block_table[seq, pos // block_size] * block_size + pos % block_size, one gather."""
+    return tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
 def attention_metadata(
     backend: AttentionBackend,
     block_size: int,
@@ -128,9 +134,7 @@ def attention_metadata(
     np.cumsum(num_new, out=query_start[1:])
     seq_lens = positions[query_start[1:] - 1] + 1
     block_tables = block_table_array(tables, multiple=backend.pad_block_tables)
-    # Slot of each new token: block_table[seq, pos // bs] * bs + pos % bs, one vectorized gather.
-    seq_index = np.repeat(np.arange(len(num_new)), num_new)
-    slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = token_slots(block_tables, np.repeat(np.arange(len(num_new)), num_new), positions, block_size)
     meta = AttentionMetadata(
         slot_mapping=upload(slots, device),
         query_start=query_start.tolist(),
