@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(
         device=args.device, max_model_len=2048, cpu_kv_cache_bytes=256 << 20, enforce_eager=args.enforce_eager
     )
-    engines = {"plain": LLM(**common), name: LLM(**common, speculative_config=spec)}
+    # Both engines live in this process, and a GPU engine's budget is a share of the whole card less what the
+    # process already holds (engine/runner/kv_cache.py: blocks_that_fit_on_gpu), so on CUDA the first one
+    # takes under half the card and the second the rest of 0.9 (both at the default 0.9 left the second none).
+    shares = ({"gpu_memory_utilization": 0.45}, {"gpu_memory_utilization": 0.9}) if args.device != "cpu" else ({}, {})
+    engines = {"plain": LLM(**common, **shares[0]), name: LLM(**common, **shares[1], speculative_config=spec)}
     if args.full_k:
         engines[name].engine.speculator.speculate_always()
     tokenizer = engines["plain"].tokenizer
