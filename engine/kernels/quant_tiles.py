@@ -103,6 +103,8 @@ GEMV_MAX_M: dict[int, int] = {4: 2, 8: 1}
 # (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m):
 # `QUANT_BUDGET=180 bash bench/gpu_check.sh quant-gemv` (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl).
 # The four 8B matmuls of a layer at one row: W4 91.4 us against bf16's 205.0 (2.24x), W8 128.2 (1.60x).
+# Also the H200's table: the H200 sweep's own winners ran the whole 8B model slower at one row (311.8 against
+# 319.2 tok/s, alternated in one call; bench/results/2026-12-02-h200-6045f95-gemv-h200-table-ab.jsonl).
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
     (4, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=1),
     (4, 4096, 4096): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=4, prefetch=1),
