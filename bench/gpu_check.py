@@ -1007,7 +1007,7 @@ def mode_quant_decode(args) -> None:
         cfg = model.config
         weight_bytes = _linear_bytes(model)
         kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        for batch in (1, 16, 64):
+        for batch in args.decode_batches:
             times = _step_times(llm, _fixed_prompts(batch, 128, seed=batch), max_tokens=48, timed_steps=32)
             step_s = statistics.median(times)
             if kind == "bf16":
@@ -1596,6 +1596,7 @@ def main() -> None:
     parser.add_argument("--long-kv", nargs="+", default=["auto", "fp8"], help="long-decode: KV dtypes, in order")
     parser.add_argument("--quantization", default=None, help="workload mode: --quantization (e.g. fp8)")
     parser.add_argument("--kinds", nargs="+", choices=list(QUANT_KINDS), help="quant-decode mode: these kinds only")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="quant-decode mode: batches")
     parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")
     parser.add_argument("--chrome-trace", default=None, help="profile mode: write the trace there (gzipped)")

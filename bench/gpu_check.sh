@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -101,11 +101,20 @@ for step in "$@"; do
              | tee $OUT/pytest-cuda-quant.log | tail -5
            python3 -m bench.quant_gpu --batch 1 16 64 --out $OUT/quant-gpu.jsonl 2>&1 | tail -25 ;;
     # A/B of the hot path against an earlier tree copied to $AB_BASE (an ignored folder carried with the
-    # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each; AB_KV=fp8 for the fp8 KV cache.
+    # call: `git archive BASE engine bench | tar -x -C .ab/base`), interleaved base / new, one process each; AB_KV=fp8 for the fp8 KV cache,
+    # AB_QUANT=fp8 for --quantization fp8.
     ab-w1|ab-w2) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
              (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton ${AB_KV:+--kv-cache-dtype $AB_KV} \
-                --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
+                ${AB_QUANT:+--quantization $AB_QUANT} --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
+           done ;;
+    # The Llama-3-8B decode table (quant-decode) for each of AB_KINDS, base / new as ab-w1 interleaves them.
+    ab-decode) for side in ${AB_ORDER:-base new}; do
+             dir=$PWD; [ $side = base ] && dir=$AB_BASE
+             for kind in ${AB_KINDS:-bf16 w4a16-g128 fp8}; do
+               (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py quant-decode --kinds $kind \
+                  --out $OUT/ab-decode-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-240)
+             done
            done ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or prompt_step" \
