@@ -986,8 +986,9 @@ def _linear_bytes(model: torch.nn.Module) -> int:
 
 
 def mode_quant_decode(args) -> None:
-    """Decode steps of Llama-3-8B (dummy weights) in bf16 and each quantized kind at batch 1, 16 and 64 with
-    128-token prompts: tok/s, and the achieved linear-weight bandwidth (linear bytes / median step time)."""
+    """Decode steps of Llama-3-8B (dummy weights) in bf16 and each quantized kind at each --decode-batches size
+    (1, 16 and 64 by default) with 128-token prompts: tok/s, and the achieved linear-weight bandwidth (linear
+    bytes / median step time)."""
     import gc
 
     hbm, _ = measure_peaks()
@@ -1610,6 +1611,8 @@ def main() -> None:
     parser.add_argument("--load-device", default="cuda", help="load-memory mode: the device loaded to")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if min(args.decode_batches) < 1:
+        parser.error(f"--decode-batches: batch sizes are at least 1, not {min(args.decode_batches)}")
     if args.out is None:
         args.out = (
             os.path.join(os.environ["OUT"], "gpu_check.jsonl")

@@ -108,11 +108,12 @@ for step in "$@"; do
              (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py workload ${step#ab-} --backend triton ${AB_KV:+--kv-cache-dtype $AB_KV} \
                 ${AB_QUANT:+--quantization $AB_QUANT} --out $OUT/ab-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-200)
            done ;;
-    # The Llama-3-8B decode table (quant-decode) for each of AB_KINDS, base / new as ab-w1 interleaves them.
+    # The Llama-3-8B decode table (quant-decode) for each of AB_KINDS, base / new as ab-w1 interleaves them;
+    # AB_BATCHES="1 4 8 16" for other batch sizes (the base's bench/ must know --decode-batches: copy this one in).
     ab-decode) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
              for kind in ${AB_KINDS:-bf16 w4a16-g128 fp8}; do
-               (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py quant-decode --kinds $kind \
+               (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py quant-decode --kinds $kind ${AB_BATCHES:+--decode-batches $AB_BATCHES} \
                   --out $OUT/ab-decode-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-240)
              done
            done ;;
