@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -64,16 +64,18 @@ for step in "$@"; do
              --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
     quant-sweep) timeout 480 python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-} --budget ${QUANT_BUDGET:-360} \
              --w8a8-kinds ${QUANT_W8A8_KINDS:-fp8 int8} --out $OUT/quant-gpu.jsonl 2>&1 | tail -90 ;;
-    # The batch-1 decode GEMV (issue 22) in one call of ~9 minutes: its tests on CUDA (split tiles, each prefetch /
-    # stages way, unmasked, float32, the 8B's deepest layer at tiles of the sweep's grid), its tile sweep alone (W4 g128 and W8 per channel at the 8B's four shapes: the table's
-    # tiles unpipelined, prefetching 1 / 2 steps and in 3 stages, then candidates, beside bf16 and tl.dot; cut at
-    # QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B decode at batch 1, 16
-    # and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
-    quant-gemv) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py -k "gemv or exact_in_float32" 2>&1 \
-             | tee $OUT/pytest-cuda-gemv.log | tail -2
-           timeout $((${QUANT_BUDGET:-240} + 90)) python3 -m bench.quant_gpu --no-layers --sweep gemv \
-             --budget ${QUANT_BUDGET:-240} --out $OUT/quant-gpu.jsonl 2>&1 | tail -30
-           for kind in bf16 w8a16 w4a16-g128; do
+    # The batch-1 decode GEMV (issue 22) in one call of ~9 minutes: its tests on CUDA (quant-gemv-tests: split
+    # tiles, each prefetch / stages way, unmasked, float32, activations far from 1, the 8B's deepest layer at tiles
+    # of the sweep's grid), its tile sweep alone (quant-gemv-sweep: W4 g128 and W8 per channel at the 8B's four
+    # shapes: the table's tiles unpipelined, prefetching 1 / 2 steps and in 3 stages, then candidates, beside bf16
+    # and tl.dot; cut at QUANT_BUDGET seconds, 240 by default; prints GEMV_TABLE entries), then Llama-3-8B decode
+    # at batch 1, 16 and 64 for bf16, W8A16 and W4A16 g128 with the committed tables, one process per kind.
+    quant-gemv|quant-gemv-tests) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py \
+             -k "gemv or exact_in_float32" 2>&1 | tee $OUT/pytest-cuda-gemv.log | tail -2 ;;&
+    quant-gemv|quant-gemv-sweep) timeout $((${QUANT_BUDGET:-240} + 90)) python3 -m bench.quant_gpu --no-layers \
+             --sweep gemv --budget ${QUANT_BUDGET:-240} --out $OUT/quant-gpu.jsonl 2>&1 | tail -30 ;;&
+    quant-gemv-tests|quant-gemv-sweep) ;;
+    quant-gemv) for kind in bf16 w8a16 w4a16-g128; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;
     # Issue 22's fp8 W1 goal in one call: the W8A8 sweep for fp8 alone at 16 rows (timed at 1 and 16) and 64

@@ -856,9 +856,10 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
     sm_90 without a GPU (Triton and the ptxas of its wheel): the words load 8 or 16 bytes a thread (16-byte
     cp.async copies where the tiles pipeline through shared memory, num_stages > 1), the main
     loop spills nothing, extracts no field with a shift and bit-field extract (SGXT) and issues few
-    instructions per weight and thread: with Triton 3.6 / 3.9, 5.0 / 5.3 at 64 outputs and 4 bits (6.4 when
-    each field took a shift, an SGXT and an OR), 6.3 / 6.7 at 32; 6.4 / 6.7 and 7.1 / 7.3 at 8 bits (7.2 and
-    7.9); an H100 streaming 4-bit weights at full bandwidth leaves ~4.4, 8-bit ones ~8.8."""
+    instructions per weight and thread: with Triton 3.6 / 3.9, 3.8-3.9 at 64 outputs and 4 bits (5.0 / 5.2
+    when each field was ORed into 2**23 and had it subtracted, 6.4 with a shift, an SGXT and an OR), 5.3-5.5
+    at 64 outputs and 8 bits and 4.8-4.9 at 32 (6.3-6.9 and 6.0-6.1); an H100 streaming 4-bit weights at full
+    bandwidth leaves ~4.4, 8-bit ones ~8.8, an H200 ~3.1 and ~6.2."""
     code = (
         "from bench.quant_gpu import compile_gemv; from bench.quant_sass import loop_stats\n"
         "from engine.kernels.quant_tiles import GEMV_TABLE\n"
@@ -879,7 +880,7 @@ def test_decode_gemv_compiles_for_sm90_with_vector_loads_and_a_cheap_unpack():
         assert int(sgxt) < 4 and int(stl) == 0, line  # one per field would be 16 or more
         # A thread's words: 4 outputs, 2 at 32 outputs (v4 loads also carry per-row scales).
         assert int(v4 if int(block_n) >= 64 else v2) >= 2, line
-        bound = {("4", "64"): 5.6, ("4", "32"): 7.0, ("8", "64"): 7.0, ("8", "32"): 7.6}[bits, block_n]
+        bound = {("4", "64"): 4.3, ("4", "32"): 5.6, ("8", "64"): 5.9, ("8", "32"): 5.4}[bits, block_n]
         assert float(per) < bound, line
 
 
@@ -960,6 +961,27 @@ def test_decode_kernels_are_exact_in_float32(bits, m):
     for config in configs:
         out = weight_only_matmul(x.to(DEV), *args, config=config)
         torch.testing.assert_close(out.cpu(), x @ w.dequantize(), atol=1e-4, rtol=1e-5, msg=str(config))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_gemv_is_exact_for_activations_far_from_one(bits):
+    """The GEMV reads each field as a subnormal float and scales x by up to 2**75 to match it (its sums kept times
+    2**-GEMV_SHIFT): rows of activations around 2**-40, 1 and 2**40 still sum within float32 rounding of the
+    float64 product (an x scaled past float32's range would give inf, products below it would lose their
+    digits)."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    k, n = 256, 32
+    g = torch.Generator().manual_seed(3)
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, 64, symmetric=False)
+    args = (pack_int32(w.q, bits, 0).to(DEV), w.scales.float().to(DEV), w.zeros.float().to(DEV), bits, 64)
+    dense = w.dequantize().double()
+    for e in (-40, 0, 40):
+        x = torch.randn(1, k, generator=g) * 2.0 ** (e + torch.randint(-4, 5, (1, k), generator=g).float())
+        out = weight_only_matmul(x.to(DEV), *args).cpu().double()
+        ref, size = x.double() @ dense, x.double().abs() @ dense.abs()
+        assert torch.all((out - ref).abs() <= 1e-5 * size), (e, ((out - ref).abs() / size).max())
 
 
 def test_weight_only_linear_sorts_act_order_rows_and_gathers_inputs():

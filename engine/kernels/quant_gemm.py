@@ -35,6 +35,11 @@ import triton.language as tl
 
 from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, MID_MAX_M, MID_TABLE, GemvTiles, MidTiles, Tiles
 
+# The GEMV keeps its sums times 2**-GEMV_SHIFT (its fields are read as subnormal floats, _gemv_kernel): 74 centres
+# the exponents it covers exactly, an activation x with 2**-52 < |x| < 2**53 (bfloat16 activations of a working
+# model lie far inside).
+GEMV_SHIFT = tl.constexpr(74)
+
 
 @triton.jit
 def _weight_only_kernel(
@@ -404,8 +409,8 @@ def _gemv_mask(offs, end, EVEN: tl.constexpr):
 
 @triton.jit
 def _row_products(x_ptr, row, offs_k, mask_kw, q, f: tl.constexpr, qx, xs):
-    """One row's share of a field q stored times 1 / f: qx += q * (x * f) = field * x exactly (f a power of two),
-    xs += x."""
+    """One row's share of a field q stored times 1 / f: qx += q * (x * f), the field times x exactly up to a
+    power of two, f; xs += x."""
     x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
     return qx + q * (x * f)[:, None], xs + x
 
@@ -422,9 +427,9 @@ def _gemv_out(out_ptr, part_ptr, total, r, pid_k, M, N, offs_n, mask_n, SPLIT, B
 
 @triton.jit
 def _gemv_total(acc, xt, s, z):
-    """A row's [BLOCK_N] result from its element-wise sums [BLOCK_KW, BLOCK_N] and sums of x [BLOCK_KW]:
-    s * (sum q x - z * sum x) (s 1 and z 0 where the loop applied them)."""
-    return s * (tl.sum(acc, axis=0) - z * tl.sum(xt, axis=0))
+    """A row's [BLOCK_N] result from its element-wise sums [BLOCK_KW, BLOCK_N], kept times 2**-GEMV_SHIFT, and
+    sums of x [BLOCK_KW]: s * (sum q x - z * sum x) (s 1 and z 0 where the loop applied them)."""
+    return s * (tl.sum(acc, axis=0) * (2.0**GEMV_SHIFT) - z * tl.sum(xt, axis=0))
 
 
 @triton.jit
@@ -451,7 +456,6 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER_WORD // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = _gemv_mask(offs_n, N, EVEN)
     row0, row1, row2, row3 = 0, tl.minimum(1, M - 1) * sxm, tl.minimum(2, M - 1) * sxm, tl.minimum(3, M - 1) * sxm
@@ -488,12 +492,15 @@ def _gemv_kernel(
                                          BLOCK_KW, SCALES, EVEN)  # fmt: skip
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
         mask_kw = _gemv_mask(offs_kw, kw_end, EVEN)
-        # The fields as floats without an int-to-float conversion (a quarter-rate instruction): each half word
-        # ORed into the mantissa of 2**23 once; a field masked in place from it (one AND of a constant that
-        # keeps 2**23's bits), less 2**23, is the field times 2**(BITS * i) exactly, i its place in the half
-        # word. The row's x, times 2**-(BITS * i) (exact above 2**-114), makes each product the field's times x.
-        lo = (cur & 0xFFFF) | 0x4B000000
-        hi = ((cur >> 16) & 0xFFFF) | 0x4B000000
+        # The fields as floats in one instruction each, without an int-to-float conversion (quarter rate) or
+        # an offset to subtract: a field masked in place (one AND) from the word, or, past bit 22, from the
+        # word shifted right by 12 once, read as a float, is a subnormal, the field times 2**(p - 149) exactly,
+        # p the bit it starts at (never 0 in the shifted word: a field there would be taken out with a shift
+        # and a bit-field extract). The row's x times 2**(149 - p - GEMV_SHIFT) (exact for 2**-52 < |x| <
+        # 2**53) makes the product, one FMA, the field's times x times 2**-GEMV_SHIFT: the sums are the fp32
+        # sums of the unshifted products scaled by a power of two (_gemv_total undoes it). The FMA takes
+        # subnormal inputs at full rate (Triton compiles fp32 arithmetic without flush-to-zero).
+        hi = cur >> 12
         qx0 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         qx1 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
         qx2 = tl.zeros((BLOCK_KW, BLOCK_N), dtype=tl.float32)
@@ -503,13 +510,12 @@ def _gemv_kernel(
         xs2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         xs3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
         for j in tl.static_range(PER_WORD):
-            if j < HALF:
-                src = lo
+            if BITS * (j + 1) <= 23:
+                q = (cur & (((1 << BITS) - 1) << (BITS * j))).to(tl.float32, bitcast=True)
+                f = 2.0 ** (149 - GEMV_SHIFT - BITS * j)
             else:
-                src = hi
-            q = (src & (0x4B000000 | (((1 << BITS) - 1) << (BITS * (j % HALF))))).to(tl.float32, bitcast=True)
-            q -= 8388608.0
-            f = 1.0 / (1 << (BITS * (j % HALF)))
+                q = (hi & (((1 << BITS) - 1) << (BITS * j - 12))).to(tl.float32, bitcast=True)
+                f = 2.0 ** (161 - GEMV_SHIFT - BITS * j)
             offs_k = offs_kw * PER_WORD + j
             if HAS_PERM:
                 offs_k = tl.load(perm_ptr + offs_k, mask=mask_kw, other=0)
@@ -534,12 +540,13 @@ def _gemv_kernel(
         else:
             s = s.to(tl.float32)
             z = z.to(tl.float32)
-            acc0 += s * (qx0 - z * xs0[:, None])
+            # The zero point's share, shifted as qx (a row's sums of x, shared by the thread's outputs).
+            acc0 += s * (qx0 - z * (xs0 * 2.0**-GEMV_SHIFT)[:, None])
             if BLOCK_M > 1:
-                acc1 += s * (qx1 - z * xs1[:, None])
+                acc1 += s * (qx1 - z * (xs1 * 2.0**-GEMV_SHIFT)[:, None])
             if BLOCK_M > 2:
-                acc2 += s * (qx2 - z * xs2[:, None])
-                acc3 += s * (qx3 - z * xs3[:, None])
+                acc2 += s * (qx2 - z * (xs2 * 2.0**-GEMV_SHIFT)[:, None])
+                acc3 += s * (qx3 - z * (xs3 * 2.0**-GEMV_SHIFT)[:, None])
     if SCALES == 0:  # the span's one group
         g = kw_start * PER_WORD // GROUP
         s_end = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
