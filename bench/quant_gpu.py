@@ -13,7 +13,9 @@ batches, each checked against its reference first. One decoder layer's four matm
 for engine/kernels/quant_tiles.py: `gemv` the W4A16 g128 / W8A16 decode GEMV per layer shape at batch 1 (and
 GEMV vs tl.dot at 2 and 4 rows), `mid` the decode tl.dot kernel at 16 and 64 rows (MID_TABLE; cut at --budget
 seconds), `w8a8` the W8A8 8-bit GEMM (split K, unfused and fused) at 1, 16 and 64 rows, fp8 then int8
-(W8A8_TABLE and the row thresholds; cut at --budget seconds).
+(W8A8_TABLE and the row thresholds; cut at --budget seconds). Each sweep times a candidate as a decode step runs
+it: replayed from a CUDA graph whose launches take copies of the weight in turn (COLD_BYTES of them), so each
+reads its weight from HBM with no launch or L2 flush between them.
 """
 
 from __future__ import annotations
@@ -74,15 +76,6 @@ def _emit(out: Path, row: dict, line: str) -> None:
     print(line, flush=True)
     with out.open("a") as f:
         f.write(json.dumps(row) + "\n")
-
-
-def _time(call, rep: int = 50) -> float:
-    """Microseconds a call takes: do_bench on CUDA; off it (a dry run) one call's wall time."""
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        call()
-        return (time.perf_counter() - start) * 1e6
-    return do_bench(call, warmup=10, rep=rep) * 1000
 
 
 def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
@@ -154,11 +147,11 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
-                timed[config] = _time(partial(weight_only_matmul, x, *args, config=config, counters=counters))
+                timed[config] = _time_weight_only(x, args, config, counters)
             best = min(timed, key=timed.get)
             dot_tiles = mid_tiles(bits, 1, n, k, iw.group_size, sms)
-            dot = _time(partial(weight_only_matmul, x, *args, config=dot_tiles, counters=counters))
-            bf16 = _time(lambda x=x, wb=wb: F.linear(x, wb))
+            dot = _time_weight_only(x, args, dot_tiles, counters)
+            bf16 = _time_linear(x, wb)
             for key, us in (("bf16", bf16), ("dot", dot), ("default", timed[default]), ("best", timed[best])):
                 totals[key] += us
             row = {
@@ -183,9 +176,9 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 rows = gemv_rows(best, m)
                 got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-                g_us = _time(partial(weight_only_matmul, xm, *args, config=rows, counters=counters))
+                g_us = _time_weight_only(xm, args, rows, counters)
                 dot_tiles = mid_tiles(bits, m, n, k, iw.group_size, sms)
-                d_us = _time(partial(weight_only_matmul, xm, *args, config=dot_tiles, counters=counters))
+                d_us = _time_weight_only(xm, args, dot_tiles, counters)
                 row = {"sweep": f"gemv-vs-dot-w{bits}", "k": k, "n": n, "m": m, "gemv_us": round(g_us, 2),
                        "dot_us": round(d_us, 2)}  # fmt: skip
                 _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m={m}  gemv {g_us:7.1f} us | tl.dot {d_us:7.1f} us")
@@ -311,7 +304,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                     continue
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n} m={m}: relative error {err}"
-                timed[config] = _time(partial(weight_only_matmul, x, *weight, config=config, counters=counters))
+                timed[config] = _time_weight_only(x, weight, config, counters)
             if not timed:
                 _emit(out, {"sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "failed": failed},
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
@@ -320,9 +313,9 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             wb = w.to(dtype)
             gemv1 = gemv_tiles(bits, n, k, sms)
             us = {
-                "bf16": _time(lambda x=x, wb=wb: F.linear(x, wb)),
-                "prompt": _time(partial(weight_only_matmul, x, *args, config=tiles(m, n, k, iw.group_size))),
-                "gemv1": _time(partial(weight_only_matmul, x[:1], *args, config=gemv1, counters=counters)),
+                "bf16": _time_linear(x, wb),
+                "prompt": _time_weight_only(x, args, tiles(m, n, k, iw.group_size)),
+                "gemv1": _time_weight_only(x[:1], args, gemv1, counters),
                 "default": timed.get(default, float("nan")),
                 **{key: timed.get(twin, float("nan")) for key, twin in twins.items()},
                 "best": timed[best],
@@ -484,7 +477,9 @@ def _time_graph(call) -> float:
     """Microseconds a call takes replayed from a CUDA graph (as a decode step runs it: no launch overhead
     beyond the graph's); off CUDA (a dry run) one call's wall time."""
     if not torch.cuda.is_available():
-        return _time(call)
+        start = time.perf_counter()
+        call()
+        return (time.perf_counter() - start) * 1e6
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(call, rep=20) * 1000
@@ -496,10 +491,41 @@ def _time_graph(call) -> float:
 COLD_BYTES = 256 << 20
 
 
+def _copies(weight: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The weight's tensors and copies of them, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
+    size = sum(t.numel() * t.element_size() for t in weight)
+    count = 1 if weight[0].device.type == "cpu" else max(1, -(-COLD_BYTES // size))
+    return [weight, *(tuple(t.clone() for t in weight) for _ in range(count - 1))]
+
+
 def _weight_copies(wq: torch.Tensor) -> list[torch.Tensor]:
-    """wq and copies of it, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
-    count = 1 if wq.device.type == "cpu" else max(1, -(-COLD_BYTES // (wq.numel() * wq.element_size())))
-    return [wq, *(wq.clone() for _ in range(count - 1))]
+    """wq and copies of it, COLD_BYTES in all (_copies)."""
+    return [copy for (copy,) in _copies((wq,))]
+
+
+def _time_cold(call, *weight: torch.Tensor) -> float:
+    """Microseconds of call(*weight) as a decode step runs it: from a CUDA graph whose launches take copies of
+    the weight's tensors in turn (_copies), so each reads its weight from HBM, with no launch overhead or L2
+    flush between them (do_bench's way, which ranked 15-40 us one-row kernels by those and did not carry over
+    to the model's graphs). A dry run: one call."""
+    copies = _copies(weight)
+    turn = itertools.count()
+    return _time_graph(lambda: call(*copies[next(turn) % len(copies)]))
+
+
+def _time_weight_only(x: torch.Tensor, args: tuple, config, counters=None) -> float:
+    """weight_only_matmul(x, *args) with these tiles, timed cold (_time_cold) over copies of the packed weight,
+    scales and zeros."""
+    from engine.kernels.quant_gemm import weight_only_matmul
+
+    qweight, scales, zeros, *rest = args
+    run = partial(weight_only_matmul, x, config=config, counters=counters)
+    return _time_cold(lambda *w: run(*w, *rest), qweight, scales, zeros)
+
+
+def _time_linear(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """F.linear(x, weight) timed cold (_time_cold)."""
+    return _time_cold(partial(F.linear, x), weight)
 
 
 def _cycling(call, weights: list[torch.Tensor]):

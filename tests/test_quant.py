@@ -1394,6 +1394,24 @@ def test_w8a8_sweep_times_each_launch_on_a_weight_copy_out_of_l2():
     assert len(_weight_copies(torch.empty(4, 4, dtype=FP8))) == 1  # a dry run on the CPU
 
 
+def test_weight_only_sweeps_time_each_launch_on_copies_of_the_packed_weight_scales_and_zeros():
+    """The GEMV and decode tl.dot sweeps time a launch on copies of all three tensors (COLD_BYTES in all): the
+    8B's W4 g128 qkv (12.6 MB of words, 0.8 MB of scales and zeros) is read from memory as in a decode step."""
+    from bench.quant_gpu import COLD_BYTES, _copies
+
+    weight = (
+        torch.empty(512, 6144, dtype=torch.int32, device="meta"),
+        torch.empty(32, 6144, dtype=torch.bfloat16, device="meta"),
+        torch.empty(32, 6144, dtype=torch.bfloat16, device="meta"),
+    )
+    copies = _copies(weight)
+    assert copies[0] is weight and len(copies) == 21
+    assert all(len(c) == 3 and [t.shape for t in c] == [t.shape for t in weight] for c in copies)
+    assert len({id(c[1]) for c in copies}) == 21  # scales copied too, not shared
+    assert len(copies) * sum(t.numel() * t.element_size() for t in weight) >= COLD_BYTES
+    assert len(_copies((torch.empty(4, 4),))) == 1  # a dry run on the CPU
+
+
 def test_w8a8_sweep_dry_run_prints_table_entries(tmp_path):
     """`bench.quant_gpu --sweep w8a8 --dry-run`: the sweep's whole path at tiny shapes (each candidate, fused
     and unfused, checked against its reference), a JSON row per shape and rows (1 and 16 rows share the
