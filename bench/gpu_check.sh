@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -112,7 +112,19 @@ for step in "$@"; do
            done ;;
     # The Llama-3-8B decode table (quant-decode) for each of AB_KINDS, base / new as ab-w1 interleaves them;
     # AB_BATCHES="1 4 8 16" for other batch sizes (the base's bench/ must know --decode-batches: copy this one in).
-    ab-decode) for side in ${AB_ORDER:-base new}; do
+    # A sweep's winners against the committed tables on the whole model, in one call: QUANT_SWEEP (gemv, the
+    # default, or mid) for QUANT_BUDGET seconds (240), its winners written into a copy of this tree's engine/ and
+    # bench/ (.ab/swept, bench.apply_tiles; the table also as $OUT/quant_tiles-swept.py), then ab-decode with
+    # that copy as the base: ab-decode-base.jsonl holds the swept tables' rows. AB_KINDS, AB_BATCHES and
+    # AB_ORDER as ab-decode's (defaults here: w4a16-g128 w8a16; batches 1 2 for gemv, 16 64 for mid).
+    sweep-ab) rm -rf .ab/swept && mkdir -p .ab/swept && cp -r engine bench .ab/swept/
+           timeout $((${QUANT_BUDGET:-240} + 120)) python3 -m bench.quant_gpu --no-layers --sweep ${QUANT_SWEEP:-gemv} \
+             --budget ${QUANT_BUDGET:-240} --out $OUT/sweep-ab.jsonl 2>&1 | tail -30
+           python3 -m bench.apply_tiles $OUT/sweep-ab.jsonl .ab/swept/engine/kernels/quant_tiles.py
+           cp .ab/swept/engine/kernels/quant_tiles.py $OUT/quant_tiles-swept.py
+           export AB_BASE=$PWD/.ab/swept AB_KINDS=${AB_KINDS:-w4a16-g128 w8a16} \
+             AB_BATCHES=${AB_BATCHES:-$([ ${QUANT_SWEEP:-gemv} = mid ] && echo 16 64 || echo 1 2)} ;;&
+    ab-decode|sweep-ab) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
              for kind in ${AB_KINDS:-bf16 w4a16-g128 fp8}; do
                (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py quant-decode --kinds $kind ${AB_BATCHES:+--decode-batches $AB_BATCHES} \

@@ -242,7 +242,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
     (the budget over the (bits, shape, rows) left, so a cut sweep still covers every shape), each checked
     against the dequantized reference (and its counters left zeroed) first; beside bf16 F.linear, the prompt
     kernel at those rows and the GEMV at one row (the target: the weight read as fast as at batch 1). Then per
-    bits and rows the layer's total (the four matmuls). Prints MID_TABLE entries and returns them."""
+    bits and rows the layer's total (the four matmuls). Prints MID_TABLE entries (the fastest plain-layout
+    tiles: WeightOnlyLinear keeps that layout) and returns them."""
     from engine.kernels.quant_gemm import _num_sms, fragment_pack, gemv_tiles, mid_tiles, tiles, weight_only_matmul
     from engine.quant import pack_int32
 
@@ -310,6 +311,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
                 continue
             best = min(timed, key=timed.get)
+            # MID_TABLE's candidate: WeightOnlyLinear keeps the plain layout, so fragment tiles cannot be listed.
+            plain = min((c for c in timed if not c.fragment), key=timed.get, default=None)
             wb = w.to(dtype)
             gemv1 = gemv_tiles(bits, n, k, sms)
             us = {
@@ -324,6 +327,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 totals[key] += v
             row = {
                 "sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "default": repr(default), "best": repr(best),
+                "best_plain": repr(plain), "best_plain_us": round(timed[plain], 2) if plain else None,
                 "tried": len(timed), "failed": failed, "best_weight_gbps": round(nbytes / timed[best] / 1e3, 1),
                 "top5": [(round(timed[c], 2), repr(c)) for c in sorted(timed, key=timed.get)[:5]],
             } | {f"{key}_us": round(v, 2) for key, v in us.items()}  # fmt: skip
@@ -341,7 +345,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                             f"T fragment {us.get('T fragment2', float('nan')):7.1f}) "
                             f"| prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
                             f"| bf16 {us['bf16']:7.1f}")  # fmt: skip
-            entries.append(f"    ({bits}, {k}, {n}, {best.block_m}): {best!r},")
+            if plain:
+                entries.append(f"    ({bits}, {k}, {n}, {plain.block_m}): {plain!r},")
         summary = {"sweep": f"mid-w{bits} layer total (4 matmuls), batch {m}"} | {
             f"{key}_us": round(v, 2) for key, v in totals.items()
         }

@@ -690,7 +690,7 @@ def test_mid_sweep_candidates_are_valid_and_breadth_first():
 def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
     """`bench.quant_gpu --sweep mid --dry-run`: the sweep's whole path at tiny shapes (each candidate checked
     against the reference), a JSON row per shape and rows, a layer total per bits and rows, and MID_TABLE
-    entries that are tiles of the kernel."""
+    entries that are plain-layout tiles of the kernel."""
     pytest.importorskip("triton")
     from bench.quant_gpu import sweep_mid
     from engine.kernels.quant_tiles import MidTiles
@@ -704,7 +704,9 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
     for entry, row in zip(entries, shapes):
         key, tiles = entry.strip().rstrip(",").split(": ", 1)
         assert eval(key) == (int(row["sweep"][-1]), row["k"], row["n"], row["m"])
-        assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best"], {"MidTiles": MidTiles})
+        # The fastest plain-layout tiles (WeightOnlyLinear keeps that layout), whatever the fastest overall.
+        assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best_plain"], {"MidTiles": MidTiles})
+        assert eval(tiles, {"MidTiles": MidTiles}).fragment == 0
 
 
 def _compile_for_sm90(code: str) -> str:
@@ -1675,3 +1677,56 @@ def test_cuda_fused_activation_quantization_replays_in_the_decode_graphs(tiny_mo
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     assert tokens[0] == tokens[1]
+
+
+def test_apply_tiles_writes_sweep_winners_into_a_copy_of_the_tables(tmp_path, monkeypatch):
+    """bench.apply_tiles rewrites GEMV_TABLE / MID_TABLE of a quant_tiles.py copy from sweep rows: a shape's
+    winner replaces its entry or adds one, MID_TABLE takes the fastest plain-layout tiles (never a fragment
+    layout, which WeightOnlyLinear cannot read; rows of an H200 sweep written before `best_plain` existed give
+    their best only where it is plain), other rows and the rest of the module are left alone."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from bench.apply_tiles import apply, winners
+    from engine.kernels import quant_tiles
+    from engine.kernels.quant_tiles import GemvTiles, MidTiles
+
+    gemv = GemvTiles(block_n=128, block_kw=16, split=2, num_warps=8, prefetch=0, num_stages=3)
+    frag = MidTiles(block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, masked=True, fragment=2)
+    plain = MidTiles(block_m=16, block_n=128, block_k=64, split=4, num_warps=8, num_stages=4, trans=True)
+    h200 = Path(__file__).parent.parent / "bench/results/2026-12-03-h200-7b91949-mid-sweep-do-bench.jsonl"
+    h200_rows = [json.loads(line) for line in h200.read_text().splitlines()]
+    rows = h200_rows + [
+        {"sweep": "gemv-w4", "k": 4096, "n": 6144, "best": repr(gemv)},
+        {"sweep": "gemv-w8", "k": 256, "n": 96, "best": repr(gemv)},
+        {"sweep": "gemv-vs-dot-w4", "k": 4096, "n": 6144, "m": 2, "gemv_us": 1.0, "dot_us": 2.0},
+        {"sweep": "gemv-w4 layer total (4 matmuls), batch 1", "best_us": 1.0},
+        {"sweep": "mid-w4", "k": 4096, "n": 4096, "m": 16, "best": repr(frag), "best_plain": repr(plain)},
+        {"sweep": "w8a8-fp8", "k": 4096, "n": 4096, "block_m": 64, "best": "W8A8Tiles()"},
+    ]
+    tables = winners(rows)
+    path = tmp_path / "quant_tiles.py"
+    path.write_text(apply(Path(quant_tiles.__file__).read_text(), tables))
+    spec = importlib.util.spec_from_file_location("swept_tiles", path)
+    swept = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "swept_tiles", swept)  # its dataclasses resolve their module
+    spec.loader.exec_module(swept)
+
+    assert swept.GEMV_TABLE[(4, 4096, 6144)] == swept.GemvTiles(**vars(gemv))
+    assert swept.GEMV_TABLE[(8, 256, 96)] == swept.GemvTiles(**vars(gemv))
+    assert {k: vars(v) for k, v in swept.GEMV_TABLE.items() if k not in ((4, 4096, 6144), (8, 256, 96))} == {
+        k: vars(v) for k, v in quant_tiles.GEMV_TABLE.items() if k != (4, 4096, 6144)
+    }
+    mid = {k: vars(v) for k, v in swept.MID_TABLE.items()}
+    assert set(mid) == set(quant_tiles.MID_TABLE) and not any(v["fragment"] for v in mid.values())
+    assert mid[(4, 4096, 4096, 16)] == vars(plain)
+    for row in (r for r in h200_rows if "best" in r):
+        key = (int(row["sweep"][-1]), row["k"], row["n"], row["m"])
+        if key == (4, 4096, 4096, 16):
+            continue
+        best = eval(row["best"], {"MidTiles": MidTiles})
+        expected = quant_tiles.MID_TABLE[key] if best.fragment else best
+        assert mid[key] == vars(expected), key
+    assert {k: vars(v) for k, v in swept.W8A8_TABLE.items()} == {k: vars(v) for k, v in quant_tiles.W8A8_TABLE.items()}
+    assert swept.GEMV_MAX_M == quant_tiles.GEMV_MAX_M

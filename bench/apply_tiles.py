@@ -1,0 +1,77 @@
+"""Write a sweep's winners into a copy of engine/kernels/quant_tiles.py: the tree an A/B of the whole model runs
+against the committed tables (`bash bench/gpu_check.sh sweep-ab`), and the table to commit when it wins.
+
+    python -m bench.apply_tiles SWEEP.jsonl PATH/quant_tiles.py
+
+SWEEP.jsonl holds the rows `python -m bench.quant_gpu --sweep gemv / mid` writes: each shape's row names its
+fastest tiles, keyed as GEMV_TABLE ((bits, K, N), sweep "gemv-w{bits}", "best") or MID_TABLE ((bits, K, N,
+rows), sweep "mid-w{bits}", "best_plain": the fastest plain-layout tiles). Entries the sweep did not reach keep
+their tiles; the tables are rewritten one entry a line (ruff format reflows them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+
+from engine.kernels.quant_tiles import GemvTiles, MidTiles
+
+_TABLES = {"gemv": ("GEMV_TABLE", GemvTiles), "mid": ("MID_TABLE", MidTiles)}
+
+
+def winners(rows: list[dict]) -> dict[str, dict[tuple, object]]:
+    """Table name -> {key: tiles} of the sweep's rows (the last row of a key wins)."""
+    found: dict[str, dict[tuple, object]] = {name: {} for name, _ in _TABLES.values()}
+    for row in rows:
+        kind = row.get("sweep", "").split("-w")[0]
+        if kind not in _TABLES or "best" not in row:
+            continue
+        name, cls = _TABLES[kind]
+        bits = int(row["sweep"].rsplit("-w", 1)[1])
+        key = (bits, row["k"], row["n"]) if kind == "gemv" else (bits, row["k"], row["n"], row["m"])
+        # MID_TABLE takes the fastest plain-layout tiles (WeightOnlyLinear keeps that layout), not fragment ones.
+        best = row.get("best_plain", row["best"]) if kind == "mid" else row["best"]
+        tiles = eval(best, {cls.__name__: cls}) if best else None  # the repr bench.quant_gpu wrote
+        if tiles is not None and not getattr(tiles, "fragment", 0):
+            found[name][key] = tiles
+    return found
+
+
+def apply(source: str, tables: dict[str, dict[tuple, object]]) -> str:
+    """source (quant_tiles.py) with each named table's entries updated from `tables`, others unchanged."""
+    lines = source.splitlines(keepends=True)
+    edits = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in tables:
+            new = tables[node.target.id]
+            if not new:
+                continue
+            value = node.value
+            current = eval(
+                compile(ast.Expression(value), "<table>", "eval"), {"GemvTiles": GemvTiles, "MidTiles": MidTiles}
+            )
+            current.update(new)
+            body = "".join(f"    {key!r}: {tiles!r},\n" for key, tiles in current.items())
+            edits.append((value.lineno, value.end_lineno, value.col_offset, "{\n" + body + "}\n"))
+    for start, end, col, text in sorted(edits, reverse=True):
+        lines[start - 1 : end] = [lines[start - 1][:col] + text]
+    return "".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("tiles", type=Path, help="a copy of engine/kernels/quant_tiles.py, rewritten in place")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in args.sweep.read_text().splitlines() if line.strip()]
+    tables = winners(rows)
+    args.tiles.write_text(apply(args.tiles.read_text(), tables))
+    for name, entries in tables.items():
+        for key, tiles in entries.items():
+            print(f"{name}[{key}] = {tiles!r}")
+
+
+if __name__ == "__main__":
+    main()
