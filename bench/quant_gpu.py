@@ -84,7 +84,8 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
     registers at one row on sm_90 without spilling); K split 1..16 ways keeping two steps per split and at most
     8 programs per SM; each prefetching two steps ahead into registers, through a 3-stage cp.async pipeline,
     then one step ahead (the sweep times the table's tiles each way and unpipelined beside them). Likeliest
-    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread."""
+    first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread; after
+    the first 12, wide slices on one or two warps (below)."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
@@ -102,7 +103,26 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
         return abs(math.log2(programs / (3 * num_sms))), abs(math.log2(t.block_n * t.block_kw / (32 * t.num_warps) / 8))
 
     ways = ((2, 1), (0, 3), (1, 1))  # (prefetch, num_stages)
-    return [replace(t, prefetch=p, num_stages=s) for t in sorted(grid, key=unlikeliness) for p, s in ways]
+    usual = [replace(t, prefetch=p, num_stages=s) for t in sorted(grid, key=unlikeliness) for p, s in ways]
+    # Wide slices on one or two warps: Triton lays a tile's threads along N first, so BLOCK_N past 128 outputs
+    # a warp gives each thread 8-16 outputs of a word row and each x it loads and scales serves them all: on
+    # sm_90 3.2-3.3 instructions per weight at 4 bits and 2.9-3.3 at 8 (the usual tiles: 3.8 and 5.3), at
+    # 72-168 registers. Few warps a program, so K splits 4-64 ways to keep 3-16 warps per SM streaming; after
+    # the likeliest usual tiles, so a sweep cut by its budget still times some.
+    wide = [
+        GemvTiles(bn, bkw, split, nw, prefetch=p)
+        for nw in (1, 2)
+        for bn in (256, 512, 1024)
+        for bkw in (1, 2, 4)
+        for split in (4, 8, 16, 32, 64)
+        for p in (1, 0)
+        if bn >= 256 * nw
+        and 16 <= bn * bkw // (32 * nw) <= 32
+        and kw // split >= 2 * bkw
+        and 3 * num_sms <= -(-n // bn) * split * nw <= 16 * num_sms
+    ]
+    wide.sort(key=lambda t: abs(math.log2(-(-n // t.block_n) * t.split * t.num_warps / (6 * num_sms))))
+    return [*usual[:12], *wide, *usual[12:]]
 
 
 def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> None:

@@ -944,6 +944,30 @@ def test_decode_gemv_split_tiles_match_the_dequantized_reference(bits, group, k)
                 assert torch.equal(weight_only_matmul(x.to(DEV), *whole, config=config, counters=counters), out[:, :16])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_gemv_wide_one_and_two_warp_slices_match_the_reference(bits):
+    """The sweep's wide GEMV tiles (bench.quant_gpu.gemv_candidates: 256-1024 outputs on one or two warps, a word
+    row or a few a step, K split many ways): one and two rows, a ragged last slice and a split that leaves the
+    last span short, against the dequantized product, counters left zeroed."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import weight_only_matmul
+    from engine.kernels.quant_tiles import GemvTiles
+
+    k, n = 256, 1100
+    g = torch.Generator().manual_seed(bits)
+    w = quantize_rtn(torch.randn(n, k, generator=g), bits, 128 if bits == 4 else -1)
+    args = (pack_int32(w.q, bits, dim=0).to(DEV), w.scales.half().to(DEV), w.zeros.half().to(DEV), bits, w.group_size)
+    counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=DEV)
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=g).half()
+        ref = x.float() @ w.dequantize().half().float()
+        for config in (GemvTiles(512, 2, 5, 1, prefetch=1), GemvTiles(1024, 1, 16, 2, prefetch=0),
+                       GemvTiles(256, 4, 3, 1, prefetch=1)):  # fmt: skip
+            out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
+            torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=2e-2, msg=str(config))
+            assert not counters.any()
+
+
 @pytest.mark.parametrize("bits, m", [(4, 2), (8, 1), (8, 9)])  # the GEMV (4 and 8 bits), the decode tl.dot kernel
 def test_decode_kernels_are_exact_in_float32(bits, m):
     """float32 in, float32 out: the GEMV's per-group factoring s * (sum q x - z sum x), and the tl.dot kernel's
