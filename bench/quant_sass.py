@@ -4,6 +4,7 @@ the kernel is bound by the instructions it issues per weight (unpacking, convers
 shared memory), so the count per weight and thread ranks tiles before a GPU does.
 
     python -m bench.quant_sass [--bits 4 8] [--rows 16 64] [--arch 90]
+    python -m bench.quant_sass --gemv [--bits 4 8] [--wide 4]   (the decode GEMV: GEMV_TABLE and wide tiles)
 
 Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked), and for 4 bits
 the fragment layouts (fragment: the unpacked tile in the operand's registers, either order), at its shape,
@@ -100,6 +101,38 @@ def per_weight(
     return count / (tiles.block_n * tiles.block_k / (32 * tiles.num_warps)), kernel, ops
 
 
+def registers(kernel) -> int:
+    """Registers a thread of the compiled kernel takes (cuobjdump of the wheel's CUDA tools)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage)[1])
+
+
+def gemv_report(bits_list: list[int], arch: int, wide: int) -> None:
+    """Per GEMV_TABLE entry (and the first `wide` one- and two-warp candidates of the sweep at its shape): the
+    main loop's instructions per weight and thread at one and two rows, registers and spills."""
+    from bench.quant_gpu import compile_gemv, gemv_candidates
+    from engine.kernels.quant_tiles import GEMV_TABLE
+
+    for (bits, k, n), listed in GEMV_TABLE.items():
+        if bits not in bits_list:
+            continue
+        group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
+        extra = [t for t in gemv_candidates(bits, n, k) if t.num_warps < 4][:wide]
+        for name, tiles in [("table", listed), *(("wide", t) for t in extra)]:
+            per_thread = tiles.block_n * tiles.block_kw * 32 // bits // (32 * tiles.num_warps)
+            line = []
+            for m in (1, 2):
+                kernel = compile_gemv(bits, tiles, k, n, group, m, arch)
+                count, ops = loop_stats(kernel)
+                line.append(f"m={m} {count / per_thread:5.2f}/weight {registers(kernel):3} regs "
+                            f"{ops['STL'] + ops['LDL']} spills")  # fmt: skip
+            print(f"w{bits} K={k:5} N={n:5} {name:5} {tiles}: " + " | ".join(line), flush=True)
+
+
 def main() -> None:
     from engine.kernels.quant_tiles import MID_TABLE
 
@@ -107,8 +140,13 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--gemv", action="store_true", help="the decode GEMV's table instead (and --wide candidates)")
+    parser.add_argument("--wide", type=int, default=4, help="with --gemv: the sweep's one-/two-warp tiles per shape")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
+    if args.gemv:
+        gemv_report(args.bits, args.arch, args.wide)
+        return
     for (bits, k, n, m), listed in MID_TABLE.items():
         if bits not in args.bits or m not in args.rows:
             continue
