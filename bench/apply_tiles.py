@@ -33,7 +33,7 @@ def winners(rows: list[dict]) -> dict[str, dict[tuple, object]]:
         key = (bits, row["k"], row["n"]) if kind == "gemv" else (bits, row["k"], row["n"], row["m"])
         # MID_TABLE takes the fastest plain-layout tiles (WeightOnlyLinear keeps that layout), not fragment ones.
         best = row.get("best_plain", row["best"]) if kind == "mid" else row["best"]
-        tiles = eval(best, {cls.__name__: cls}) if best else None  # the repr bench.quant_gpu wrote
+        tiles = eval(best, {cls.__name__: cls})  # the repr bench.quant_gpu wrote ("None": no plain tiles timed)
         if tiles is not None and not getattr(tiles, "fragment", 0):
             found[name][key] = tiles
     return found

@@ -153,6 +153,7 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
             counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
             wd = iw.dequantize().t().to(dtype)
             wb = w.to(dtype)
+            copies, dense = _copies(*args[:3]), _copies(wb)  # once a shape: every timing cycles through them
             x = torch.randn(1, k, device=device, dtype=dtype)
             ref = F.linear(x, wd).float()
             default = gemv_tiles(bits, n, k, sms)
@@ -167,11 +168,11 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 got = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
-                timed[config] = _time_weight_only(x, args, config, counters)
+                timed[config] = _time_weight_only(x, copies, args, config, counters)
             best = min(timed, key=timed.get)
             dot_tiles = mid_tiles(bits, 1, n, k, iw.group_size, sms)
-            dot = _time_weight_only(x, args, dot_tiles, counters)
-            bf16 = _time_linear(x, wb)
+            dot = _time_weight_only(x, copies, args, dot_tiles, counters)
+            bf16 = _time_graph(_cycling(partial(F.linear, x), dense))
             for key, us in (("bf16", bf16), ("dot", dot), ("default", timed[default]), ("best", timed[best])):
                 totals[key] += us
             row = {
@@ -196,9 +197,9 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 rows = gemv_rows(best, m)
                 got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-                g_us = _time_weight_only(xm, args, rows, counters)
+                g_us = _time_weight_only(xm, copies, args, rows, counters)
                 dot_tiles = mid_tiles(bits, m, n, k, iw.group_size, sms)
-                d_us = _time_weight_only(xm, args, dot_tiles, counters)
+                d_us = _time_weight_only(xm, copies, args, dot_tiles, counters)
                 row = {"sweep": f"gemv-vs-dot-w{bits}", "k": k, "n": n, "m": m, "gemv_us": round(g_us, 2),
                        "dot_us": round(d_us, 2)}  # fmt: skip
                 _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m={m}  gemv {g_us:7.1f} us | tl.dot {d_us:7.1f} us")
@@ -301,6 +302,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             fragment = bits == 4 and k % 128 == 0  # the fragment layout's tiles read the weight repacked
             layouts = ((2, False), (4, False), (2, True)) if fragment else ()
             frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
+            # Once a shape, each weight layout's copies: every timing cycles through them.
+            cold, cold_frag = _copies(*args[:3]), {key: _copies(*a[:3]) for key, a in frag_args.items()}
             nbytes = sum(t.numel() * t.element_size() for t in args[:3])
             counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
             x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
@@ -325,7 +328,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                     continue
                 err = ((got - ref).norm() / ref.norm()).item()
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n} m={m}: relative error {err}"
-                timed[config] = _time_weight_only(x, weight, config, counters)
+                copies = cold_frag.get((config.fragment, config.trans), cold)
+                timed[config] = _time_weight_only(x, copies, weight, config, counters)
             if not timed:
                 _emit(out, {"sweep": f"mid-w{bits}", "k": k, "n": n, "m": m, "failed": failed},
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
@@ -336,9 +340,9 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             wb = w.to(dtype)
             gemv1 = gemv_tiles(bits, n, k, sms)
             us = {
-                "bf16": _time_linear(x, wb),
-                "prompt": _time_weight_only(x, args, tiles(m, n, k, iw.group_size)),
-                "gemv1": _time_weight_only(x[:1], args, gemv1, counters),
+                "bf16": _time_graph(_cycling(partial(F.linear, x), _copies(wb))),
+                "prompt": _time_weight_only(x, cold, args, tiles(m, n, k, iw.group_size)),
+                "gemv1": _time_weight_only(x[:1], cold, args, gemv1, counters),
                 "default": timed.get(default, float("nan")),
                 **{key: timed.get(twin, float("nan")) for key, twin in twins.items()},
                 "best": timed[best],
@@ -516,48 +520,30 @@ def _time_graph(call) -> float:
 COLD_BYTES = 256 << 20
 
 
-def _copies(weight: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
-    """The weight's tensors and copies of them, COLD_BYTES in all (one on the CPU: a dry run times nothing)."""
+def _copies(*weight: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The weight's tensors (a packed weight, its scales and zeros: all of them) and copies of them, COLD_BYTES
+    in all (one on the CPU: a dry run times nothing)."""
     size = sum(t.numel() * t.element_size() for t in weight)
     count = 1 if weight[0].device.type == "cpu" else max(1, -(-COLD_BYTES // size))
     return [weight, *(tuple(t.clone() for t in weight) for _ in range(count - 1))]
 
 
-def _weight_copies(wq: torch.Tensor) -> list[torch.Tensor]:
-    """wq and copies of it, COLD_BYTES in all (_copies)."""
-    return [copy for (copy,) in _copies((wq,))]
-
-
-def _time_cold(call, *weight: torch.Tensor) -> float:
-    """Microseconds of call(*weight) as a decode step runs it: from a CUDA graph whose launches take copies of
-    the weight's tensors in turn (_copies), so each reads its weight from HBM, with no launch overhead or L2
-    flush between them (do_bench's way, which ranked 15-40 us one-row kernels by those and did not carry over
-    to the model's graphs). A dry run: one call."""
-    copies = _copies(weight)
+def _cycling(call, copies: list[tuple[torch.Tensor, ...]]):
+    """call(*copy) for the next of the copies each time: a CUDA graph captured from it replays the launches on
+    the copies in turn, so each reads its weight from HBM as a decode step does, with no launch or L2 flush
+    between them (do_bench's way, which ranked 15-40 us one-row kernels by those and did not carry over to the
+    model's graphs)."""
     turn = itertools.count()
-    return _time_graph(lambda: call(*copies[next(turn) % len(copies)]))
+    return lambda: call(*copies[next(turn) % len(copies)])
 
 
-def _time_weight_only(x: torch.Tensor, args: tuple, config, counters=None) -> float:
-    """weight_only_matmul(x, *args) with these tiles, timed cold (_time_cold) over copies of the packed weight,
-    scales and zeros."""
+def _time_weight_only(x: torch.Tensor, copies: list, args: tuple, config, counters=None) -> float:
+    """weight_only_matmul(x, *args) with these tiles, from a CUDA graph over the copies of its packed weight,
+    scales and zeros (_copies(*args[:3]))."""
     from engine.kernels.quant_gemm import weight_only_matmul
 
-    qweight, scales, zeros, *rest = args
     run = partial(weight_only_matmul, x, config=config, counters=counters)
-    return _time_cold(lambda *w: run(*w, *rest), qweight, scales, zeros)
-
-
-def _time_linear(x: torch.Tensor, weight: torch.Tensor) -> float:
-    """F.linear(x, weight) timed cold (_time_cold)."""
-    return _time_cold(partial(F.linear, x), weight)
-
-
-def _cycling(call, weights: list[torch.Tensor]):
-    """call(wq=w) for the next weight of the list each time: a CUDA graph captured from it replays the launches
-    on the copies in turn, so each reads its weight from HBM as a decode step does."""
-    turn = itertools.count()
-    return lambda: call(wq=weights[next(turn) % len(weights)])
+    return _time_graph(_cycling(lambda *w: run(*w, *args[3:]), copies))
 
 
 def _exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -645,8 +631,8 @@ def sweep_w8a8(
         xs = {m: _exact_rows(m, k, g) if dry_run else torch.randn(m, k, generator=g, device=device) for m in rows}
         xs = {m: x.to(dtype) for m, x in xs.items()}
 
-        run = partial(_w8a8_run, wq=wq, ws=ws, counters=counters, dtype=dtype)
-        copies = _weight_copies(wq)
+        run = partial(_w8a8_run, ws=ws, counters=counters, dtype=dtype)
+        copies = _copies(wq)
         rule = w8a8_rule(bm, bm, n, k, sms)
         # The shipped table's tiles third (timed as "table"); at 64 rows the wide / deep candidates before the grid.
         table = w8a8_tiles(kind, bm, n, k, sms)
@@ -660,7 +646,7 @@ def sweep_w8a8(
                 break
             try:  # a kernel this Triton fails to compile is skipped
                 for m in rows:
-                    err = _w8a8_error(config, xs[m], wq, ws, run(config, xs[m]))
+                    err = _w8a8_error(config, xs[m], wq, ws, run(config, xs[m], wq))
                     assert err < 1e-2 and not counters.any(), f"{kind} {config} K={k} N={n} m={m}: relative error {err}"
             except AssertionError:
                 raise
@@ -744,7 +730,7 @@ def profile_w8a8(m: int, kind: str = "fp8") -> None:
         counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
         ws = ws.reshape(1, -1).contiguous()
         call = partial(scaled_matmul, xq, xs, b_scale=ws, out_dtype=torch.bfloat16, config=tiles, counters=counters)
-        runs.append((k, n, tiles, partial(call, b=wq), _cycling(lambda wq, call=call: call(b=wq), _weight_copies(wq))))
+        runs.append((k, n, tiles, partial(call, b=wq), _cycling(lambda wq, call=call: call(b=wq), _copies(wq))))
     for _ in range(2):
         for _, _, _, run, _ in runs:
             run()

@@ -71,13 +71,19 @@ def compile_mid(
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def loop_stats(kernel) -> tuple[int, collections.Counter]:
-    """The largest loop of the kernel's SASS (label to backward branch): its instruction count and opcodes."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _cubin_tool(kernel, tool: str, *flags: str) -> str:
+    """The standard output of one of the CUDA tools Triton's wheel ships (nvdisasm, cuobjdump) on the kernel's
+    cubin."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        lines = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+        return subprocess.run([path, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_stats(kernel) -> tuple[int, collections.Counter]:
+    """The largest loop of the kernel's SASS (label to backward branch): its instruction count and opcodes."""
+    lines = _cubin_tool(kernel, "nvdisasm", "-c").splitlines()
     instruction = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
     labels, best = {}, (0, 0, 0)
     for i, line in enumerate(lines):
@@ -102,13 +108,8 @@ def per_weight(
 
 
 def registers(kernel) -> int:
-    """Registers a thread of the compiled kernel takes (cuobjdump of the wheel's CUDA tools)."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage)[1])
+    """Registers a thread of the compiled kernel takes."""
+    return int(re.search(r"REG:(\d+)", _cubin_tool(kernel, "cuobjdump", "-res-usage"))[1])
 
 
 def gemv_report(bits_list: list[int], arch: int, wide: int) -> None:

@@ -1403,39 +1403,37 @@ def test_scaled_linear_takes_the_fused_gemm_its_tiles_name(monkeypatch):
     assert torch.equal(static._triton(x.to(DEV)).cpu(), static.cpu()._reference(x))
 
 
-def test_w8a8_sweep_times_each_launch_on_a_weight_copy_out_of_l2():
-    """The sweep's CUDA-graph timing cycles through weight copies of at least COLD_BYTES (five 50 MB L2s), so the
-    8B's qkv fp8 weight (25 MB) is read from memory as in a decode step (meta tensors: no memory used)."""
-    from bench.quant_gpu import COLD_BYTES, _cycling, _weight_copies
+def test_sweeps_time_each_launch_on_a_weight_copy_out_of_l2():
+    """The sweeps' CUDA-graph timing cycles through weight copies of at least COLD_BYTES (five 50 MB L2s), so the
+    8B's qkv fp8 weight (25 MB) and its W4 g128 one (12.6 MB of words, 0.8 MB of scales and zeros, all three
+    copied) are read from memory as in a decode step (meta tensors: no memory used)."""
+    from bench.quant_gpu import COLD_BYTES, _copies, _cycling
 
     wq = torch.empty(6144, 4096, dtype=FP8, device="meta")
-    copies = _weight_copies(wq)
-    assert copies[0] is wq and len(copies) == 11 and len(copies) * wq.numel() >= COLD_BYTES
+    copies = _copies(wq)
+    assert copies[0][0] is wq and len(copies) == 11 and len(copies) * wq.numel() >= COLD_BYTES
     seen = []
-    call = _cycling(lambda wq: seen.append(wq), copies)
+    call = _cycling(lambda w: seen.append(w), copies)
     for _ in range(2 * len(copies)):
         call()
-    assert [id(w) for w in seen] == [id(w) for w in copies] * 2
-    assert len(_weight_copies(torch.empty(28672, 4096, dtype=FP8, device="meta"))) == 3
-    assert len(_weight_copies(torch.empty(4, 4, dtype=FP8))) == 1  # a dry run on the CPU
-
-
-def test_weight_only_sweeps_time_each_launch_on_copies_of_the_packed_weight_scales_and_zeros():
-    """The GEMV and decode tl.dot sweeps time a launch on copies of all three tensors (COLD_BYTES in all): the
-    8B's W4 g128 qkv (12.6 MB of words, 0.8 MB of scales and zeros) is read from memory as in a decode step."""
-    from bench.quant_gpu import COLD_BYTES, _copies
+    assert [id(w) for w in seen] == [id(w) for (w,) in copies] * 2
+    assert len(_copies(torch.empty(28672, 4096, dtype=FP8, device="meta"))) == 3
+    assert len(_copies(torch.empty(4, 4, dtype=FP8))) == 1  # a dry run on the CPU
 
     weight = (
         torch.empty(512, 6144, dtype=torch.int32, device="meta"),
         torch.empty(32, 6144, dtype=torch.bfloat16, device="meta"),
         torch.empty(32, 6144, dtype=torch.bfloat16, device="meta"),
     )
-    copies = _copies(weight)
-    assert copies[0] is weight and len(copies) == 21
-    assert all(len(c) == 3 and [t.shape for t in c] == [t.shape for t in weight] for c in copies)
-    assert len({id(c[1]) for c in copies}) == 21  # scales copied too, not shared
+    copies = _copies(*weight)
+    assert copies[0] == weight and len(copies) == 21
     assert len(copies) * sum(t.numel() * t.element_size() for t in weight) >= COLD_BYTES
-    assert len(_copies((torch.empty(4, 4),))) == 1  # a dry run on the CPU
+    seen = []
+    call = _cycling(lambda *w: seen.append(w), copies)
+    for _ in range(len(copies)):
+        call()
+    assert [[id(t) for t in w] for w in seen] == [[id(t) for t in c] for c in copies]
+    assert len({id(c[1]) for c in copies}) == 21  # scales copied too, not shared
 
 
 def test_w8a8_sweep_dry_run_prints_table_entries(tmp_path):

@@ -409,8 +409,8 @@ def _gemv_mask(offs, end, EVEN: tl.constexpr):
 
 @triton.jit
 def _row_products(x_ptr, row, offs_k, mask_kw, q, f: tl.constexpr, qx, xs):
-    """One row's share of a field q stored times 1 / f: qx += q * (x * f), the field times x exactly up to a
-    power of two, f; xs += x."""
+    """One row's share of a field q (a subnormal, _gemv_kernel): qx += q * (x * f), the field times x times
+    2**-GEMV_SHIFT exactly; xs += x."""
     x = tl.load(x_ptr + row + offs_k, mask=mask_kw, other=0.0).to(tl.float32)
     return qx + q * (x * f)[:, None], xs + x
 
