@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep quant-mid-tests fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -75,6 +75,10 @@ for step in "$@"; do
     quant-gemv|quant-gemv-sweep) timeout $((${QUANT_BUDGET:-240} + 90)) python3 -m bench.quant_gpu --no-layers \
              --sweep gemv --budget ${QUANT_BUDGET:-240} --out $OUT/quant-gpu.jsonl 2>&1 | tail -30 ;;&
     quant-gemv-tests|quant-gemv-sweep) ;;
+    # The decode tl.dot kernel's CUDA tests (each unpack, the fragment layouts, the 8B's shapes at 4 bits).
+    quant-mid-tests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py \
+             -k "decode_dot_kernel and (${MID_TESTS:-reference or bf16_on_cuda[4-128]})" 2>&1 \
+             | tee $OUT/pytest-cuda-mid.log | tail -3 ;;
     quant-gemv) for kind in bf16 w8a16 w4a16-g128; do
              python3 bench/gpu_check.py quant-decode --kinds $kind 2>&1 | grep -E "RESULT|Error" | cut -c1-400
            done ;;

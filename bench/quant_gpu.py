@@ -212,18 +212,21 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
     print("GEMV_TABLE entries (engine/kernels/quant_tiles.py):\n" + "\n".join(entries), flush=True)
 
 
-def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragment: bool = False) -> list:
-    """The decode tl.dot kernel's tiles the sweep tries at m rows: BLOCK_M the rows' power of two, 32..256
-    outputs by 64 or 128 inputs a step (dividing K and the group), 4 or 8 warps, 3 or 4 stages, either operand
-    order, either unpack, and (`fragment`: a 4-bit weight, K in blocks of 128) the weight second in the
-    fragment layout (MidTiles.fragment), keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32 *
-    warps)). Breadth first, so a sweep cut by its budget has seen the likeliest kinds: each kernel with K split
-    for about two programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in
-    one order for every shape (later shapes reuse the compiled kernels), widest first, then by operand kind
-    as bench/quant_sass.py ranks them on sm_90 (W4 g128 at 16 rows, MID_TABLE's tiles, instructions per weight
-    and thread with Triton 3.6: the weight first in the fragment layout 4.4 to 4.8, masked 4.5 to 5.5, shifted
-    5.8 to 6.5; the weight second in the fragment layout 5.7 to 5.8 (5.0 to 5.1 with Triton 3.9), masked 6.1
-    to 6.6, shifted 7.4 to 7.9)."""
+def mid_candidates(
+    m: int, n: int, k: int, group: int, num_sms: int = 132, fragment: bool = False, packed: bool = False
+) -> list:
+    """The decode tl.dot kernel's tiles the sweep tries at m rows: BLOCK_M the rows' power of two, 32..256 outputs
+    by 64 or 128 inputs a step (dividing K and the group), 4 or 8 warps, 3 or 4 stages, either operand order, either
+    unpack, and (`fragment`: a 4-bit weight, K in blocks of 128) the weight second in the fragment layout
+    (MidTiles.fragment), and with `packed` (a 4-bit weight) first the masked kinds' packed twins (MidTiles.packed:
+    ~1.2 fewer instructions per weight on sm_90), keeping at most 64 accumulators a thread (BLOCK_M * BLOCK_N / (32
+    * warps)). Breadth first, so a sweep cut by its budget has seen the likeliest kinds: each kernel with K split
+    for about two programs per SM, then four, then unsplit (a split keeps two steps per program); kernels in one
+    order for every shape (later shapes reuse the compiled kernels), widest first, then by operand kind as
+    bench/quant_sass.py ranks them on sm_90 (W4 g128 at 16 rows, MID_TABLE's tiles, instructions per weight and
+    thread with Triton 3.6: the weight first in the fragment layout 4.4 to 4.8, masked 4.5 to 5.5, shifted 5.8 to
+    6.5; the weight second in the fragment layout 5.7 to 5.8 (5.0 to 5.1 with Triton 3.9), masked 6.1 to 6.6,
+    shifted 7.4 to 7.9)."""
     from engine.kernels.quant_tiles import MidTiles
 
     bm = max(16, 1 << (m - 1).bit_length())
@@ -231,6 +234,8 @@ def mid_candidates(m: int, n: int, k: int, group: int, num_sms: int = 132, fragm
     if fragment:  # wgmma's first operand; mma.sync's second with kWidth 4 (Triton 3.6) or 2 (Triton 3.9)
         kinds[0:0] = [(True, True, 2)]
         kinds[2:2] = [(False, True, 4), (False, True, 2)]
+    if packed:
+        kinds = [(*kind, True) for kind in kinds if kind[1]] + [(*kind, False) for kind in kinds]
     kernels = [
         (bn, bk, nw, ns, *kind)
         for bn in (256, 128, 64, 32)
@@ -285,6 +290,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 "default",
                 "masked",
                 "trans_masked",
+                "masked_packed",
+                "trans_masked_packed",
                 "fragment2",
                 "fragment4",
                 "T fragment2",
@@ -310,11 +317,13 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             ref = F.linear(x, iw.dequantize().t().to(dtype)).float()
             default = mid_tiles(bits, m, n, k, iw.group_size, sms)
             twins = {"masked": replace(default, masked=True), "trans_masked": replace(default, trans=True, masked=True)}
+            if bits == 4:
+                twins |= {f"{key}_packed": replace(twin, packed=True) for key, twin in list(twins.items())}
             for kw, trans in frag_args:
                 twins[f"{'T ' if trans else ''}fragment{kw}"] = replace(default, trans=trans, masked=True, fragment=kw)
             first = list(dict.fromkeys([default, *twins.values()]))
             timed, failed = {}, []
-            more = mid_candidates(m, n, k, iw.group_size, sms, fragment)
+            more = mid_candidates(m, n, k, iw.group_size, sms, fragment, packed=bits == 4)
             candidates = [*first, *(c for c in more if c not in first)]
             for config in candidates[:2] if dry_run else candidates:
                 if config not in first and time.monotonic() > stop:
@@ -359,11 +368,14 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                 f"bn{best.block_n} bk{best.block_k} s{best.split} w{best.num_warps} st{best.num_stages}"
                 + (" T" if best.trans else "")
                 + (" M" if best.masked else "")
+                + (" P" if best.packed else "")
                 + (f" F{best.fragment}" if best.fragment else "")
             )
             _emit(out, row, f"mid w{bits} K={k:5} N={n:5} m={m:2}  best {t:26} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
                             f"{us['default']:7.1f} (masked {us['masked']:7.1f}, T masked {us['trans_masked']:7.1f}, "
+                            f"packed {us.get('masked_packed', float('nan')):7.1f}, "
+                            f"T packed {us.get('trans_masked_packed', float('nan')):7.1f}, "
                             f"fragment {us.get('fragment2', float('nan')):7.1f} / "
                             f"{us.get('fragment4', float('nan')):7.1f}, "
                             f"T fragment {us.get('T fragment2', float('nan')):7.1f}) "
@@ -376,7 +388,8 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
         }
         _emit(out, summary, f"mid w{bits} layer at m={m}: bf16 {totals['bf16']:.1f} us, prompt kernel "
                             f"{totals['prompt']:.1f}, default {totals['default']:.1f} (masked {totals['masked']:.1f}, "
-                            f"T masked {totals['trans_masked']:.1f}, fragment {totals['fragment2']:.1f} / "
+                            f"T masked {totals['trans_masked']:.1f}, packed {totals['masked_packed']:.1f}, "
+                            f"T packed {totals['trans_masked_packed']:.1f}, fragment {totals['fragment2']:.1f} / "
                             f"{totals['fragment4']:.1f}, T fragment {totals['T fragment2']:.1f}), "
                             f"best {totals['best']:.1f}, "
                             f"GEMV at m=1 {totals['gemv1']:.1f} (best / GEMV m=1 = "

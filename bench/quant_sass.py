@@ -7,7 +7,8 @@ shared memory), so the count per weight and thread ranks tiles before a GPU does
     python -m bench.quant_sass --gemv [--bits 4 8] [--wide 4]   (the decode GEMV: GEMV_TABLE and wide tiles)
 
 Each line: a MID_TABLE entry's tiles with either operand order and either unpack (trans, masked), and for 4 bits
-the fragment layouts (fragment: the unpacked tile in the operand's registers, either order), at its shape,
+the fragment layouts (fragment: the unpacked tile in the operand's registers, either order) and the packed
+unpack of each masked kind (packed: two fields an instruction), at its shape,
 the main loop's instructions per weight per thread, shared memory, spills, the loop's shared-memory traffic
 (STS / LDS / LDSM, barriers, LDGSTS: cp.async copies of the pipeliner) and top opcodes.
 """
@@ -59,7 +60,7 @@ def compile_mid(
     constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
         "BITS": bits, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "SCALE_AT_END": group % span == 0, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
-        "MASKED": tiles.masked, "FRAGMENT": tiles.fragment,
+        "MASKED": tiles.masked, "FRAGMENT": tiles.fragment, "PACKED": tiles.packed,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= {name: "constexpr" for name in constexprs if name not in signature}
@@ -152,11 +153,12 @@ def main() -> None:
         if bits not in args.bits or m not in args.rows:
             continue
         group = 128 if bits == 4 else k  # as the sweep quantizes: W4 g128, W8 per channel
-        kinds = [(trans, masked, 0) for trans, masked in itertools.product((False, True), repeat=2)]
-        for trans, masked, fragment in kinds + (
-            [(False, True, 2), (False, True, 4), (True, True, 2)] if bits == 4 else []
-        ):
-            tiles = replace(listed, trans=trans, masked=masked, fragment=fragment)
+        kinds = [(trans, masked, 0, False) for trans, masked in itertools.product((False, True), repeat=2)]
+        if bits == 4:  # the fragment layouts; the packed unpack, of either layout
+            kinds += [(False, True, 2, False), (False, True, 4, False), (True, True, 2, False)]
+            kinds += [(trans, True, fragment, True) for trans, masked, fragment, _ in kinds if masked]
+        for trans, masked, fragment, packed in kinds:
+            tiles = replace(listed, trans=trans, masked=masked, fragment=fragment, packed=packed)
             try:
                 cost, kernel, ops = per_weight(bits, tiles, k, n, group, args.arch)
             except Exception as e:  # noqa: BLE001 - Triton's compile errors have no common type

@@ -539,7 +539,8 @@ def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmet
     ones with K split 1, 2 and 3 ways (the last span shorter), either operand order, the scale applied per
     step and once per program; an act-order layer's inputs read through its permutation. Each launch
     leaves the layer's counters zeroed, as CUDA graphs replaying it need. The masked unpack (MidTiles.masked)
-    gives the same weights exactly, so the same output bit for bit."""
+    and the packed one (MidTiles.packed: two 4-bit fields an instruction on a GPU; 8-bit weights and the
+    interpreter unpack masked) give the same weights exactly, so the same output bit for bit."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import weight_only_matmul
     from engine.kernels.quant_tiles import MidTiles
@@ -575,6 +576,9 @@ def test_decode_dot_kernel_matches_the_dequantized_reference(bits, group, symmet
                 other = dataclasses.replace(config, masked=not config.masked)
                 again = weight_only_matmul(x.to(DEV), *args, config=other, counters=layer.counters, perm=layer.perm)
                 assert torch.equal(again, out), other
+                packed = dataclasses.replace(config, packed=True)
+                again = weight_only_matmul(x.to(DEV), *args, config=packed, counters=layer.counters, perm=layer.perm)
+                assert torch.equal(again, out) and not layer.counters.any(), packed
 
 
 def test_fragment_layout_round_trips_and_places_each_input_where_the_mma_operand_wants_it():
@@ -620,9 +624,9 @@ def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(gro
     """The decode tl.dot kernel reading a 4-bit weight in the fragment layout (MidTiles.fragment) at 3..64 rows,
     BLOCK_K 32 / 64 / 128, BLOCK_N 16 / 32 / 64 (a ragged last slice), K split 1..3 ways, the scale per step or
     once per program, an act-order weight's inputs read through its permutation: the dequantized reference's
-    output, and bit for bit the plain layout's with the masked unpack (the same weights and products); either
-    operand order (the trans layout for wgmma's first operand, BLOCK_K 64 / 128). The knob is refused for 8
-    bits, kWidths and K steps a layout does not take."""
+    output, and bit for bit the plain layout's with the masked unpack (the same weights and products) and its
+    own with the packed one (MidTiles.packed); either operand order (the trans layout for wgmma's first
+    operand, BLOCK_K 64 / 128). The knob is refused for 8 bits, kWidths and K steps a layout does not take."""
     pytest.importorskip("triton")
     from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
     from engine.kernels.quant_tiles import MidTiles
@@ -655,6 +659,9 @@ def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(gro
             plain = dataclasses.replace(config, fragment=0)
             again = weight_only_matmul(x, layer.qweight, *rest, config=plain, counters=layer.counters, perm=layer.perm)
             assert torch.equal(again, out), config
+            packed = dataclasses.replace(config, packed=True)
+            again = weight_only_matmul(x, frag, *rest, config=packed, counters=layer.counters, perm=layer.perm)
+            assert torch.equal(again, out), packed
     x = torch.randn(16, k, generator=g).half().to(DEV)
     bad = (MidTiles(16, 32, 32, 1, trans=True, fragment=2), MidTiles(16, 32, 16, 1, fragment=2))
     for config in (*bad, MidTiles(16, 32, 64, 1, fragment=3), MidTiles(16, 32, 64, 1, trans=True, fragment=4)):
@@ -828,6 +835,22 @@ def test_decode_dot_kernel_masked_unpack_compiles_for_sm90_in_fewer_instructions
     for old, new in _w4_table_twins_sass("trans=True, masked=twin", fields):
         assert float(new[3]) < min(6.5, float(old[3]) - 0.4), (old, new)
         assert int(new[4]) > 0 and int(new[5]) == 0 and new[6] == old[6], new
+
+
+@pytest.mark.slow
+def test_decode_dot_kernel_packed_unpack_compiles_for_sm90_in_fewer_instructions():
+    """MID_TABLE's W4 g128 tiles at 16 rows (the 8B's four shapes), either operand order, compile for sm_90
+    without a GPU with the packed unpack (MidTiles.packed: a PRMT, a LOP3 and a packed FMA, HADD2 in SASS, per
+    two fields) in at least 0.8 fewer main-loop instructions per weight and thread than the masked unpack, no
+    spills, within 1 KiB of its shared memory: with Triton 3.6 / 3.9, 2.80-4.19 / 2.77-3.98 against
+    3.99-5.48 / 4.30-6.05 with the weight first, 4.25-5.86 / 4.04-5.08 against 5.85-6.58 / 5.94-6.70 with it
+    second."""
+    fields = "ops['HADD2'] + ops['HFMA2'], ops['STL'] + ops['LDL'], kernel.metadata.shared"
+    for trans in (True, False):
+        for old, new in _w4_table_twins_sass(f"trans={trans}, masked=True, packed=twin", fields):
+            assert float(new[3]) < float(old[3]) - 0.8, (old, new)
+            assert int(old[4]) == 0 and int(new[4]) > 0 and int(new[5]) == 0, new
+            assert int(new[6]) <= int(old[6]) + 1024, (old, new)
 
 
 @pytest.mark.slow
@@ -1081,9 +1104,10 @@ def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
 def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
     """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 20 / 33 / 64 rows: the default tiles
     (20 rows: the rule's) and candidates of the sweep's grid, one counter array shared by all launches as a layer
-    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit, and
-    for 4 bits the fragment layout's candidates (MidTiles.fragment) the plain layout's masked output to within one
-    bfloat16 step in a rare output."""
+    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit,
+    its twin with the packed unpack flipped (MidTiles.packed) and for 4 bits the fragment layout's candidates
+    (MidTiles.fragment; also either packed) the plain layout's output to within one bfloat16 step in a rare
+    output."""
     from bench.quant_gpu import SHAPES, mid_candidates
     from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
 
@@ -1102,22 +1126,29 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                 if config is not None:
                     twin = dataclasses.replace(config, masked=not config.masked)
                     assert torch.equal(weight_only_matmul(x, *args, config=twin, counters=counters).float(), out)
+                    twin = dataclasses.replace(config, packed=not config.packed)
+                    _within_a_bfloat16_step(weight_only_matmul(x, *args, config=twin, counters=counters).float(), out)
             if bits == 4:  # the fragment layout's tiles: the plain layout's masked output bit for bit
                 layouts = ((2, False), (4, False), (2, True))
                 frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
                 for config in [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment][::9]:
                     weight = frag_args[config.fragment, config.trans]
                     out = weight_only_matmul(x, *weight, config=config, counters=counters).float()
+                    twin = dataclasses.replace(config, packed=not config.packed)
+                    _within_a_bfloat16_step(weight_only_matmul(x, *weight, config=twin, counters=counters).float(), out)
                     plain = dataclasses.replace(config, fragment=0)
-                    want = weight_only_matmul(x, *args, config=plain, counters=counters).float()
-                    # The same products, summed by another MMA form (the weight a register operand): on the H100
-                    # a rare output (1 in 12,288-65,536 at 3-64 rows) rounds to the neighbouring bfloat16. The
-                    # float32 sums differ by far less than a bfloat16 step of the outputs' scale, which bounds
-                    # the difference of any output, one near zero too.
-                    step = torch.finfo(torch.bfloat16).eps * want.abs().max()
-                    assert (out - want).abs().max() <= step, config
-                    assert (out != want).float().mean() < 1e-3, config
+                    _within_a_bfloat16_step(out, weight_only_matmul(x, *args, config=plain, counters=counters).float())
                     assert not counters.any(), config
+
+
+def _within_a_bfloat16_step(out: torch.Tensor, want: torch.Tensor) -> None:
+    """The same products, summed by another MMA form (the weight a register operand, or another operand
+    layout): on the H100 a rare output (1 in 12,288-65,536 at 3-64 rows) rounds to the neighbouring bfloat16.
+    The float32 sums differ by far less than a bfloat16 step of the outputs' scale, which bounds the difference
+    of any output, one near zero too."""
+    step = torch.finfo(torch.bfloat16).eps * want.abs().max()
+    assert (out - want).abs().max() <= step
+    assert (out != want).float().mean() < 1e-3
 
 
 # ----- W8A8 kernels (engine/kernels/w8a8.py) -----

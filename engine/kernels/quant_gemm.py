@@ -26,6 +26,7 @@ engine/kernels/w8a8.py's 8-bit GEMM splits K with the same reduction and buffers
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from functools import cache
 
@@ -39,6 +40,26 @@ from engine.kernels.quant_tiles import GEMV_MAX_M, GEMV_TABLE, MID_MAX_M, MID_TA
 # the exponents it covers exactly, an activation x with 2**-52 < |x| < 2**53 (bfloat16 activations of a working
 # model lie far inside).
 GEMV_SHIFT = tl.constexpr(74)
+
+
+def _packed_asm(base: int, one: int, fma: str) -> str:
+    """_paired_fields' PTX for two elements: their words ($4, $5) and -(B + z) of each as packed halves ($6);
+    out $0..$3, element e's field at the low nibble of byte j of its word (j = 0..3) as q - z, packed halves.
+    One PRMT puts byte j of each word in its half, one LOP3 keeps both low nibbles and ORs in `base` (B in both
+    halves, 2**7 in bfloat16 or 2**10 in float16, whose mantissa's last bits are the nibble's: each half is
+    B + q exactly), and one packed FMA (times 1, plus -(B + z)) leaves q - z exactly (a small integer): three
+    instructions a pair of fields."""
+    pairs = "".join(
+        f"prmt.b32 t, $4, $5, {0x0400 + 0x0101 * j:#06x}; lop3.b32 t, t, 0x000F000F, {base:#x}, 0xEA; "
+        f"{fma} ${j}, t, one, $6; "
+        for j in range(4)
+    )
+    return f"{{ .reg .b32 t, one; mov.b32 one, {one:#x}; {pairs}}}"
+
+
+_PACKED_BF16 = tl.constexpr(_packed_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2"))
+_PACKED_F16 = tl.constexpr(_packed_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2"))
+_PAIRS = tl.constexpr("=r,=r,=r,=r,r,r,r")  # its registers: four outputs, two words, -(B + z) of both
 
 
 @triton.jit
@@ -147,13 +168,39 @@ def _as_float(q, z, dtype: tl.constexpr):
 
 
 @triton.jit
-def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr):
+def _paired_fields(words, z, dtype: tl.constexpr):
+    """The 8 fields of 4-bit words as q - z in `dtype` (bfloat16 or float16; z float32, broadcastable to words),
+    laid out as _joined_fields lays them ([..., p0, p1, half]: field 4 half + 2 p1 + p0), two fields at a time
+    (_packed_asm's PTX: 1 5/8 instructions a weight with the shift, where the masked unpack and its conversion
+    to 16 bits take 2 1/2). Its elements are the words joined with the words shifted right by 4 (p0: fields
+    2j + p0 at the low nibble of byte j), so each element's outputs depend on its own inputs alone, whichever
+    two elements Triton gives one call (pack 2). Where it gives a join's pair, as the layouts here do, an output
+    register holds fields 2j and 2j + 1 of one word: consecutive inputs of one output, the register pair of
+    tl.dot's operands."""
+    if dtype == tl.bfloat16:
+        nz = (-(z + 128.0)).to(dtype)
+    else:
+        nz = (-(z + 1024.0)).to(dtype)
+    nz = tl.broadcast_to(nz, words.shape)
+    w2, nz2 = tl.join(words, words >> 4), tl.join(nz, nz)
+    t = nz.dtype
+    if dtype == tl.bfloat16:
+        f01, f23, f45, f67 = tl.inline_asm_elementwise(_PACKED_BF16, _PAIRS, [w2, nz2], (t, t, t, t), True, 2)
+    else:
+        f01, f23, f45, f67 = tl.inline_asm_elementwise(_PACKED_F16, _PAIRS, [w2, nz2], (t, t, t, t), True, 2)
+    return tl.join(tl.join(f01, f23), tl.join(f45, f67))
+
+
+@triton.jit
+def _unpack_k_rows(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr, PACKED: tl.constexpr):
     """[KW, N] words -> [KW * 32 / BITS, N] weights q - z (z [N]): field j of word row kw to row kw * 32 / BITS
     + j, as a [KW, 32 / BITS, N] tensor folded (the layout the tl.dot operand compiles best from on sm_90).
     MASKED: the fields masked in place from half words (as _field does), z then [16 / BITS, N]: 2**(23 - BITS *
-    i) + z for each place i in a half word."""
+    i) + z for each place i in a half word. PACKED (4 bits; z [N]): two fields at a time (_paired_fields)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    if MASKED:
+    if PACKED:  # [KW, N, p0, p1, half] -> [KW, half, p1, p0, N]
+        w = tl.permute(_paired_fields(words, z[None, :], dtype), (0, 4, 3, 2, 1))
+    elif MASKED:
         HALF: tl.constexpr = PER_WORD // 2
         halves = ((words[:, None, :] >> (tl.arange(0, 2) * 16)[None, :, None]) & 0xFFFF) | 0x4B000000
         place = tl.arange(0, HALF)
@@ -189,9 +236,13 @@ def _field(words, j: tl.constexpr, BITS: tl.constexpr, z, dtype: tl.constexpr, M
 
 
 @triton.jit
-def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr):
-    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]; 2**23 + z unless MASKED): field j of word kw
-    to column kw * 32 / BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers)."""
+def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl.constexpr, PACKED: tl.constexpr):
+    """[N, KW] words -> [N, KW * 32 / BITS] weights q - z (z [N, 1]; 2**23 + z unless MASKED or PACKED): field j of
+    word kw to column kw * 32 / BITS + j, by interleaving the fields (pairs, then pairs of pairs: in registers).
+    PACKED (4 bits): two fields at a time (_paired_fields)."""
+    if PACKED:  # [N, KW, p0, p1, half] -> [N, KW, half, p1, p0]
+        w = tl.permute(_paired_fields(words, z, dtype), (0, 1, 4, 3, 2))
+        return tl.reshape(w, (words.shape[0], words.shape[1] * 8))
     if BITS == 4:
         even = tl.interleave(
             tl.interleave(_field(words, 0, BITS, z, dtype, MASKED), _field(words, 4, BITS, z, dtype, MASKED)),
@@ -208,9 +259,12 @@ def _unpack_k_cols(words, z, BITS: tl.constexpr, dtype: tl.constexpr, MASKED: tl
 
 
 @triton.jit
-def _joined_fields(words, z, dtype: tl.constexpr):
+def _joined_fields(words, z, dtype: tl.constexpr, PACKED: tl.constexpr):
     """The 8 fields of 4-bit words as q - z in `dtype`, unpacked masked (_field), joined as three new last
-    dimensions (p0, p1, half) of size 2: field 4 half + 2 p1 + p0, each dimension in registers."""
+    dimensions (p0, p1, half) of size 2: field 4 half + 2 p1 + p0, each dimension in registers. PACKED: two at
+    a time (_paired_fields)."""
+    if PACKED:
+        return _paired_fields(words, z, dtype)
     lo = tl.join(
         tl.join(_field(words, 0, 4, z, dtype, True), _field(words, 1, 4, z, dtype, True)),
         tl.join(_field(words, 2, 4, z, dtype, True), _field(words, 3, 4, z, dtype, True)),
@@ -224,7 +278,16 @@ def _joined_fields(words, z, dtype: tl.constexpr):
 
 @triton.jit
 def _fragment_tile(
-    qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K: tl.constexpr, dtype: tl.constexpr, KWIDTH: tl.constexpr
+    qw_ptr,
+    sqn,
+    k0,
+    offs_n,
+    mask_n,
+    z,
+    BLOCK_K: tl.constexpr,
+    dtype: tl.constexpr,
+    KWIDTH: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """The [BLOCK_K, BLOCK_N] tile q - z (z [BLOCK_N]) of a 4-bit weight in the fragment layout (fragment_pack) at
     inputs k0.. (BLOCK_K 32, 64 or 128, k0 a multiple of it), unpacked masked (_field) into the layout of
@@ -241,7 +304,7 @@ def _fragment_tile(
     offs = offs_n[:, None, None] * sqn + base + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, C)[None, None, :]
     words = tl.load(qw_ptr + offs, mask=mask_n[:, None, None], other=0)  # [BLOCK_N, 4 (t), C]
     zc = z[:, None, None]
-    w = _joined_fields(words, zc, dtype)  # [n, t, c, p0, p1, half]
+    w = _joined_fields(words, zc, dtype, PACKED)  # [n, t, c, p0, p1, half]
     if KWIDTH == 2:  # k = 32c + 16 half + 8 p1 + 2t + p0
         w = tl.permute(w, (2, 5, 4, 1, 3, 0))
     else:  # k = 32c + 16 half + 4t + 2 p1 + p0
@@ -250,7 +313,7 @@ def _fragment_tile(
 
 
 @triton.jit
-def _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+def _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N: tl.constexpr, dtype: tl.constexpr, PACKED: tl.constexpr):
     """The [BLOCK_N, 64] tile q - z (z [BLOCK_N]) of a 4-bit weight in the trans fragment layout (fragment_pack
     with trans) at inputs k0..k0 + 63 (k0 a multiple of 64), unpacked masked (_field) into the layout of
     tl.dot's first operand for wgmma (its registers): per 16 outputs and 64 inputs 128 words, in order (row
@@ -264,7 +327,9 @@ def _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N: tl.constexpr, dtype: t
     words = tl.load(qw_ptr + offs, mask=(g < N // 16)[:, None, None, None], other=0)
     words = tl.reshape(words, (G, 8, 4, 2, 2))  # [g, r, t, r8, c]
     zc = tl.permute(tl.reshape(z, (G, 2, 8)), (0, 2, 1))[:, :, None, :, None]
-    w = tl.permute(_joined_fields(words, zc, dtype), (0, 3, 1, 4, 7, 6, 2, 5))  # -> [g, r8, r, c, half, p1, t, p0]
+    w = tl.permute(
+        _joined_fields(words, zc, dtype, PACKED), (0, 3, 1, 4, 7, 6, 2, 5)
+    )  # -> [g, r8, r, c, half, p1, t, p0]
     return tl.reshape(w, (BLOCK_N, 64))
 
 
@@ -274,7 +339,7 @@ def _mid_kernel(
     M, N, K, sxm, sxk, span, SPLIT, GROUP, sqn,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
-    PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr,
+    PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
@@ -313,9 +378,9 @@ def _mid_kernel(
         s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if TRANS and FRAGMENT:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
-            w = _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N, a.dtype)
+            w = _fragment_rows(qw_ptr, sqn, k0, pid_n, N, z, BLOCK_N, a.dtype, PACKED)
             if BLOCK_K == 128:  # the next 64 inputs as the upper half of K
-                w2 = _fragment_rows(qw_ptr, sqn, k0 + 64, pid_n, N, z, BLOCK_N, a.dtype)
+                w2 = _fragment_rows(qw_ptr, sqn, k0 + 64, pid_n, N, z, BLOCK_N, a.dtype, PACKED)
                 w = tl.reshape(tl.permute(tl.join(w, w2), (0, 2, 1)), (BLOCK_N, BLOCK_K))
             if SCALE_AT_END:
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
@@ -324,17 +389,17 @@ def _mid_kernel(
         elif TRANS:
             a = tl.load(x_ptr + offs_m[None, :] * sxm + cols[:, None] * sxk, mask=mask_m[None, :], other=0.0)
             words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None], mask=mask_n[:, None], other=0)
-            if MASKED:
-                w = _unpack_k_cols(words, z[:, None], BITS, a.dtype, True)
+            if MASKED or PACKED:
+                w = _unpack_k_cols(words, z[:, None], BITS, a.dtype, MASKED, PACKED)
             else:  # 2**23 + z: the field ORed into the mantissa of 2**23, less this, is q - z exactly
-                w = _unpack_k_cols(words, z[:, None] + 8388608.0, BITS, a.dtype, False)
+                w = _unpack_k_cols(words, z[:, None] + 8388608.0, BITS, a.dtype, False, False)
             if SCALE_AT_END:
                 acc = tl.dot(w, a, acc, input_precision=PRECISION)
             else:
                 acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
         elif FRAGMENT:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
-            w = _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K, a.dtype, FRAGMENT)
+            w = _fragment_tile(qw_ptr, sqn, k0, offs_n, mask_n, z, BLOCK_K, a.dtype, FRAGMENT, PACKED)
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
@@ -342,11 +407,13 @@ def _mid_kernel(
         else:
             a = tl.load(x_ptr + offs_m[:, None] * sxm + cols[None, :] * sxk, mask=mask_m[:, None], other=0.0)
             words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-            if MASKED:  # 2**(23 - BITS * i) + z for the field's place i in its half word
+            if PACKED:
+                w = _unpack_k_rows(words, z, BITS, a.dtype, False, True)
+            elif MASKED:  # 2**(23 - BITS * i) + z for the field's place i in its half word
                 place = (1 << (23 - BITS * tl.arange(0, 16 // BITS))).to(tl.float32)
-                w = _unpack_k_rows(words, place[:, None] + z[None, :], BITS, a.dtype, True)
+                w = _unpack_k_rows(words, place[:, None] + z[None, :], BITS, a.dtype, True, False)
             else:
-                w = _unpack_k_rows(words, z + 8388608.0, BITS, a.dtype, False)
+                w = _unpack_k_rows(words, z + 8388608.0, BITS, a.dtype, False, False)
             if SCALE_AT_END:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
             else:
@@ -668,6 +735,13 @@ def _split_buffers(
     return torch.empty((split, block_m, n), dtype=dtype, device=device), counters
 
 
+def _packs(x: torch.Tensor, bits: int) -> bool:
+    """Whether MidTiles.packed applies: 4-bit fields, 16-bit activations (packed halves of their type) and
+    PTX to run (the interpreter runs none)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and not interpreted
+
+
 def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters, perm) -> torch.Tensor:
     """One launch of the decode tl.dot kernel: one program per output slice and span of K covers every row."""
     m, k = x.shape
@@ -676,6 +750,8 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
     assert m <= config.block_m, f"{config} covers {config.block_m} rows, not {m}"
     if config.fragment and (bits != 4 or (config.trans and n % 16)):
         raise ValueError(f"{config}: the fragment layout packs 4-bit weights (N a multiple of 16 for trans)")
+    if config.packed and not _packs(x, bits):
+        config = replace(config, packed=False, masked=True)  # the same weights, unpacked one at a time
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -687,7 +763,7 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
         m, n, k, x.stride(0), x.stride(1), span, split, group_size, qweight.stride(0),
         BITS=bits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
-        PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment,
+        PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment, PACKED=config.packed,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

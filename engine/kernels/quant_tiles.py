@@ -39,11 +39,18 @@ class MidTiles(Tiles):
     registers of tl.dot's second operand for mma.sync as Triton lays it out (kWidth 2 with Triton 3.9, 4
     with 3.6; BLOCK_K 32 to 128), or with `trans` of its first operand for wgmma (2; BLOCK_K 64 or 128, N a
     multiple of 16): no trip of the unpacked tile through shared memory; K in blocks of 128. The caller
-    passes the weight in that layout (fragment_pack with this kwidth and trans)."""
+    passes the weight in that layout (fragment_pack with this kwidth and trans). `packed`: unpack two 4-bit
+    fields an instruction in the activations' 16-bit type (quant_gemm._paired_fields: inline PTX), about 1.2
+    fewer instructions per weight than masked on sm_90; where it cannot apply (8 bits, float32 activations,
+    the interpreter) the kernel unpacks masked, the same weights. None of the tables use it: on the H200, MID_TABLE's
+    W4 tiles with it ran the 8B's decode slower (16 rows 5.07 -> 8.0 ms a step, 64 rows 6.54 -> 7.85;
+    bench/results/2026-12-03-h200-e7833bb-mid-packed.md); with the weight second its tile's trip through shared
+    memory turns from LDSM into scalar LDS."""
 
     trans: bool = False
     masked: bool = False
     fragment: int = 0
+    packed: bool = False
 
     def check(self, k: int, group: int) -> None:
         # Any split: the kernel's spans are whole steps, the last one shorter.
