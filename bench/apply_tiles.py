@@ -5,7 +5,8 @@ against the committed tables (`bash bench/gpu_check.sh sweep-ab`), and the table
 
 SWEEP.jsonl holds the rows `python -m bench.quant_gpu --sweep gemv / mid` writes: each shape's row names its
 fastest tiles, keyed as GEMV_TABLE ((bits, K, N), sweep "gemv-w{bits}", "best") or MID_TABLE ((bits, K, N,
-rows), sweep "mid-w{bits}", "best_plain": the fastest plain-layout tiles). Entries the sweep did not reach keep
+rows), sweep "mid-w{bits}", "best": fragment-layout tiles too, WeightOnlyLinear keeping a copy of the weight
+in each layout the table names). Entries the sweep did not reach keep
 their tiles; the tables are rewritten one entry a line (ruff format reflows them).
 """
 
@@ -31,11 +32,7 @@ def winners(rows: list[dict]) -> dict[str, dict[tuple, object]]:
         name, cls = _TABLES[kind]
         bits = int(row["sweep"].rsplit("-w", 1)[1])
         key = (bits, row["k"], row["n"]) if kind == "gemv" else (bits, row["k"], row["n"], row["m"])
-        # MID_TABLE takes the fastest plain-layout tiles (WeightOnlyLinear keeps that layout), not fragment ones.
-        best = row.get("best_plain", row["best"]) if kind == "mid" else row["best"]
-        tiles = eval(best, {cls.__name__: cls})  # the repr bench.quant_gpu wrote ("None": no plain tiles timed)
-        if tiles is not None and not getattr(tiles, "fragment", 0):
-            found[name][key] = tiles
+        found[name][key] = eval(row["best"], {cls.__name__: cls})  # the repr bench.quant_gpu wrote
     return found
 
 

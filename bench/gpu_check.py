@@ -974,13 +974,15 @@ def _quant_model_dir(recipe: str | None, base: str = LLAMA_8B) -> str:
 
 def _linear_bytes(model: torch.nn.Module) -> int:
     """Bytes of every linear layer's own tensors (weights, packed integers, scales, zero points, biases): what
-    a decode step reads in full; the embedding (a few rows a step) and the norms (kilobytes) are left out."""
+    a decode step reads in full; the embedding (a few rows a step), the norms (kilobytes) and a WeightOnlyLinear's
+    fragment-layout copies (a step reads one layout of each weight) are left out."""
     from engine.layers.linear import PackedLinear, ScaledLinear, WeightOnlyLinear
 
     total = 0
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, PackedLinear, WeightOnlyLinear, ScaledLinear)):
-            tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            buffers = [b for name, b in module.named_buffers(recurse=False) if not name.startswith("qweight_fragment")]
+            tensors = list(module.parameters(recurse=False)) + buffers
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 

@@ -170,7 +170,7 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 assert err < 1e-2 and not counters.any(), f"{config} at K={k} N={n}: relative error {err}"
                 timed[config] = _time_weight_only(x, copies, args, config, counters)
             best = min(timed, key=timed.get)
-            dot_tiles = mid_tiles(bits, 1, n, k, iw.group_size, sms)
+            dot_tiles = replace(mid_tiles(bits, 1, n, k, iw.group_size, sms), fragment=0)  # on the packed layout
             dot = _time_weight_only(x, copies, args, dot_tiles, counters)
             bf16 = _time_graph(_cycling(partial(F.linear, x), dense))
             for key, us in (("bf16", bf16), ("dot", dot), ("default", timed[default]), ("best", timed[best])):
@@ -198,7 +198,7 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
                 got = weight_only_matmul(xm, *args, config=rows, counters=counters).float()
                 assert ((got - ref).norm() / ref.norm()).item() < 1e-2
                 g_us = _time_weight_only(xm, copies, args, rows, counters)
-                dot_tiles = mid_tiles(bits, m, n, k, iw.group_size, sms)
+                dot_tiles = replace(mid_tiles(bits, m, n, k, iw.group_size, sms), fragment=0)
                 d_us = _time_weight_only(xm, copies, args, dot_tiles, counters)
                 row = {"sweep": f"gemv-vs-dot-w{bits}", "k": k, "n": n, "m": m, "gemv_us": round(g_us, 2),
                        "dot_us": round(d_us, 2)}  # fmt: skip
@@ -316,11 +316,12 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
             x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
             ref = F.linear(x, iw.dequantize().t().to(dtype)).float()
             default = mid_tiles(bits, m, n, k, iw.group_size, sms)
-            twins = {"masked": replace(default, masked=True), "trans_masked": replace(default, trans=True, masked=True)}
+            plain = replace(default, fragment=0)  # the twins below vary the table's tiles on the packed layout
+            twins = {"masked": replace(plain, masked=True), "trans_masked": replace(plain, trans=True, masked=True)}
             if bits == 4:
                 twins |= {f"{key}_packed": replace(twin, packed=True) for key, twin in list(twins.items())}
             for kw, trans in frag_args:
-                twins[f"{'T ' if trans else ''}fragment{kw}"] = replace(default, trans=trans, masked=True, fragment=kw)
+                twins[f"{'T ' if trans else ''}fragment{kw}"] = replace(plain, trans=trans, masked=True, fragment=kw)
             first = list(dict.fromkeys([default, *twins.values()]))
             timed, failed = {}, []
             more = mid_candidates(m, n, k, iw.group_size, sms, fragment, packed=bits == 4)
@@ -344,7 +345,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                       f"mid w{bits} K={k:5} N={n:5} m={m:2}  every candidate tried failed")  # fmt: skip
                 continue
             best = min(timed, key=timed.get)
-            # MID_TABLE's candidate: WeightOnlyLinear keeps the plain layout, so fragment tiles cannot be listed.
+            # The fastest on the packed layout too: what the tiles would give without a fragment copy of the weight.
             plain = min((c for c in timed if not c.fragment), key=timed.get, default=None)
             wb = w.to(dtype)
             gemv1 = gemv_tiles(bits, n, k, sms)
@@ -381,8 +382,7 @@ def sweep_mid(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> list
                             f"T fragment {us.get('T fragment2', float('nan')):7.1f}) "
                             f"| prompt kernel {us['prompt']:7.1f} | GEMV m=1 {us['gemv1']:7.1f} "
                             f"| bf16 {us['bf16']:7.1f}")  # fmt: skip
-            if plain:
-                entries.append(f"    ({bits}, {k}, {n}, {plain.block_m}): {plain!r},")
+            entries.append(f"    ({bits}, {k}, {n}, {best.block_m}): {best!r},")
         summary = {"sweep": f"mid-w{bits} layer total (4 matmuls), batch {m}"} | {
             f"{key}_us": round(v, 2) for key, v in totals.items()
         }

@@ -501,7 +501,8 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
         rule,
         MidTiles(16, 128, 128, 16, num_warps=8, num_stages=4, trans=True),
     ):
-        out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters)
+        # No fragment copies: the table's fragment tiles run as their plain twins on the packed weight.
+        out = weight_only_matmul(x.to(DEV), *args, config=config, counters=counters, fragments={})
         assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, config
         assert not counters.any()
     gemv = gemv_tiles(4, n_full, k, num_sms=132)  # on one slice of outputs: the rest is the same work
@@ -674,6 +675,45 @@ def test_decode_dot_kernel_fragment_layout_matches_the_dequantized_reference(gro
                            config=MidTiles(16, 32, 64, 1, fragment=2))  # fmt: skip
 
 
+def test_weight_only_linear_keeps_fragment_copies_that_fragment_tiles_read():
+    """WeightOnlyLinear keeps a copy of its weight in each fragment layout it is given (by default those MID_TABLE's
+    tiles for its shape read), none in the checkpoint's state; weight_only_matmul given the copies takes the plain
+    weight whatever the tiles: fragment tiles read the copy in their layout (the fragment_pack'd weight's output
+    bit for bit) and run as their plain twin where no copy is kept. Every fragment tile MID_TABLE lists tiles its
+    shape in that layout."""
+    pytest.importorskip("triton")
+    from engine.kernels.quant_gemm import fragment_layouts, fragment_pack, weight_only_matmul
+    from engine.kernels.quant_tiles import MID_TABLE, MidTiles
+    from engine.layers.linear import WeightOnlyLinear
+
+    k, n = 256, 48
+    g = torch.Generator().manual_seed(11)
+    w = quantize_rtn(torch.randn(n, k, generator=g), 4, 128, False, None)
+    assert WeightOnlyLinear(w, None, torch.float16).fragments() == {}  # a shape MID_TABLE does not list
+    layer = WeightOnlyLinear(w, None, torch.float16, layouts={(2, True), (4, False)}).to(DEV)
+    copies = layer.fragments()
+    assert sorted(copies) == [(2, True), (4, False)]
+    for (kw, trans), copy in copies.items():
+        assert copy.device == layer.qweight.device and torch.equal(copy, fragment_pack(layer.qweight, kw, trans))
+    assert set(layer.state_dict()) == {"qweight", "scales", "zeros"}
+    rest = (layer.scales, layer.zeros, 4, w.group_size)
+    x = torch.randn(16, k, generator=g).half().to(DEV)
+    for kw, trans in ((2, True), (4, False), (2, False)):
+        config = MidTiles(16, 16, 64, 2, trans=trans, masked=True, fragment=kw)
+        out = weight_only_matmul(x, layer.qweight, *rest, config=config, counters=layer.counters, fragments=copies)
+        if (kw, trans) in copies:
+            want = weight_only_matmul(x, copies[kw, trans], *rest, config=config, counters=layer.counters)
+        else:
+            plain = dataclasses.replace(config, fragment=0)
+            want = weight_only_matmul(x, layer.qweight, *rest, config=plain, counters=layer.counters)
+        assert torch.equal(out, want), config
+    for (bits, tk, tn, _rows), tiles in MID_TABLE.items():
+        if tiles.fragment:
+            assert (tiles.fragment, tiles.trans) in fragment_layouts(bits, tk, tn) and bits == 4
+            tiles.check(tk, 128)
+            assert not tiles.trans or tn % 16 == 0
+
+
 def test_mid_sweep_candidates_are_valid_and_breadth_first():
     """Every candidate of the H100 sweep tiles its 8B shape; the first ones are all different kernels (a sweep
     cut by its budget has tried each kind), widest first, in the same order for every shape."""
@@ -697,7 +737,8 @@ def test_mid_sweep_candidates_are_valid_and_breadth_first():
 def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
     """`bench.quant_gpu --sweep mid --dry-run`: the sweep's whole path at tiny shapes (each candidate checked
     against the reference), a JSON row per shape and rows, a layer total per bits and rows, and MID_TABLE
-    entries that are plain-layout tiles of the kernel."""
+    entries that are each shape's fastest tiles (a fragment layout's too: WeightOnlyLinear keeps a copy of the
+    weight in the layouts the table names), the fastest on the packed layout beside them."""
     pytest.importorskip("triton")
     from bench.quant_gpu import sweep_mid
     from engine.kernels.quant_tiles import MidTiles
@@ -711,9 +752,8 @@ def test_mid_sweep_dry_run_prints_table_entries(tmp_path):
     for entry, row in zip(entries, shapes):
         key, tiles = entry.strip().rstrip(",").split(": ", 1)
         assert eval(key) == (int(row["sweep"][-1]), row["k"], row["n"], row["m"])
-        # The fastest plain-layout tiles (WeightOnlyLinear keeps that layout), whatever the fastest overall.
-        assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best_plain"], {"MidTiles": MidTiles})
-        assert eval(tiles, {"MidTiles": MidTiles}).fragment == 0
+        assert eval(tiles, {"MidTiles": MidTiles}) == eval(row["best"], {"MidTiles": MidTiles})
+        assert eval(row["best_plain"], {"MidTiles": MidTiles}).fragment == 0
 
 
 def _compile_for_sm90(code: str) -> str:
@@ -776,7 +816,8 @@ def test_decode_dot_kernel_fragment_layout_compiles_for_sm90_without_the_shared_
     direct = "int(any('tt.reshape' in x and " + operand + " in x for x in kernel.asm['ttgir'].splitlines()))"
     fields = "ops['HMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared, ops['STS'], ops['LDSM'] + ops['LDS'], "
     fields += "ops['LDGSTS'], " + direct
-    for old, new in _w4_table_twins_sass("trans=False, masked=True, fragment=twin * kwidth", fields, setup):
+    variant = "trans=False, masked=True, packed=False, fragment=twin * kwidth"
+    for old, new in _w4_table_twins_sass(variant, fields, setup):
         assert float(new[3]) < float(old[3]) - 0.25, (old, new)
         assert int(old[7]) >= 64 and int(new[7]) == 0, (old, new)  # the unpacked tile's shared stores
         assert int(new[8]) < int(old[8]) and int(new[9]) > 0, (old, new)
@@ -795,7 +836,7 @@ def test_decode_dot_kernel_trans_fragment_layout_compiles_for_sm90_with_the_weig
     operand = "'bf16, #ttg.dot_op<{opIdx = 0'"
     direct = "int(any('tt.reshape' in x and " + operand + " in x for x in kernel.asm['ttgir'].splitlines()))"
     fields = "ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared, ops['STS'], " + direct
-    pairs = _w4_table_twins_sass("trans=True, masked=True, fragment=2 * twin", fields)
+    pairs = _w4_table_twins_sass("trans=True, masked=True, packed=False, fragment=2 * twin", fields)
     for old, new in pairs:
         assert float(new[3]) < float(old[3]) + 0.05, (old, new)
         assert int(old[7]) >= 8 and int(new[7]) <= 2, (old, new)  # the unpacked tile's shared stores
@@ -832,7 +873,7 @@ def test_decode_dot_kernel_masked_unpack_compiles_for_sm90_in_fewer_instructions
     operand, with a 2-byte shared store per weight: 5.85-6.58 / 5.94-6.70 masked, MID_TABLE's choice for three
     of the four today, 7.17-7.89 / 7.02-7.16 shifted)."""
     fields = "ops['HGMMA'], ops['STL'] + ops['LDL'], kernel.metadata.shared"
-    for old, new in _w4_table_twins_sass("trans=True, masked=twin", fields):
+    for old, new in _w4_table_twins_sass("trans=True, masked=twin, packed=False, fragment=0", fields):
         assert float(new[3]) < min(6.5, float(old[3]) - 0.4), (old, new)
         assert int(new[4]) > 0 and int(new[5]) == 0 and new[6] == old[6], new
 
@@ -847,7 +888,7 @@ def test_decode_dot_kernel_packed_unpack_compiles_for_sm90_in_fewer_instructions
     second."""
     fields = "ops['HADD2'] + ops['HFMA2'], ops['STL'] + ops['LDL'], kernel.metadata.shared"
     for trans in (True, False):
-        for old, new in _w4_table_twins_sass(f"trans={trans}, masked=True, packed=twin", fields):
+        for old, new in _w4_table_twins_sass(f"trans={trans}, masked=True, packed=twin, fragment=0", fields):
             assert float(new[3]) < float(old[3]) - 0.8, (old, new)
             assert int(old[4]) == 0 and int(new[4]) > 0 and int(new[5]) == 0, new
             assert int(new[6]) <= int(old[6]) + 1024, (old, new)
@@ -1103,11 +1144,12 @@ def test_decode_gemv_full_shapes_bf16_on_cuda(bits, group):
 @pytest.mark.parametrize("bits, group", [(4, 128), (8, -1)])
 def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
     """The decode tl.dot kernel at the 8B's four matmul shapes and 3 / 16 / 20 / 33 / 64 rows: the default tiles
-    (20 rows: the rule's) and candidates of the sweep's grid, one counter array shared by all launches as a layer
-    shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the same output bit for bit,
-    its twin with the packed unpack flipped (MidTiles.packed) and for 4 bits the fragment layout's candidates
-    (MidTiles.fragment; also either packed) the plain layout's output to within one bfloat16 step in a rare
-    output."""
+    (20 rows: the rule's) and three candidates spread over the sweep's grid (the sweep checks every candidate it
+    times; a denser sample here compiles hundreds of kernels, past one device call), one counter array shared by
+    all launches as a layer shares it; each candidate's twin with the other unpack (MidTiles.masked) gives the
+    same output bit for bit, its twin with the packed unpack flipped (MidTiles.packed) and for 4 bits three of
+    the fragment layout's candidates (MidTiles.fragment; also either packed) the plain layout's output to within
+    one bfloat16 step in a rare output."""
     from bench.quant_gpu import SHAPES, mid_candidates
     from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
 
@@ -1119,7 +1161,7 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
         for m in (3, 16, 20, 33, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = (x @ wd).float()
-            for config in [None, *mid_candidates(m, n, k, w.group_size)[::25]]:  # the sweep checks all it times
+            for config in [None, *_spread(mid_candidates(m, n, k, w.group_size), 3)]:
                 out = weight_only_matmul(x, *args, config=config, counters=counters).float()
                 assert (out - ref).norm() / ref.norm() < 1e-2, (k, n, m, config)
                 assert not counters.any(), config
@@ -1131,7 +1173,8 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
             if bits == 4:  # the fragment layout's tiles: the plain layout's masked output bit for bit
                 layouts = ((2, False), (4, False), (2, True))
                 frag_args = {key: (fragment_pack(args[0], *key), *args[1:]) for key in layouts}
-                for config in [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment][::9]:
+                fragments = [c for c in mid_candidates(m, n, k, w.group_size, fragment=True) if c.fragment]
+                for config in _spread(fragments, 3):
                     weight = frag_args[config.fragment, config.trans]
                     out = weight_only_matmul(x, *weight, config=config, counters=counters).float()
                     twin = dataclasses.replace(config, packed=not config.packed)
@@ -1139,6 +1182,11 @@ def test_decode_dot_kernel_full_shapes_bf16_on_cuda(bits, group):
                     plain = dataclasses.replace(config, fragment=0)
                     _within_a_bfloat16_step(out, weight_only_matmul(x, *args, config=plain, counters=counters).float())
                     assert not counters.any(), config
+
+
+def _spread(configs: list, count: int) -> list:
+    """count of configs, evenly spaced over the list (the sweep's grid orders them by kind, then tiles)."""
+    return configs[:: max(1, len(configs) // count)][:count]
 
 
 def _within_a_bfloat16_step(out: torch.Tensor, want: torch.Tensor) -> None:
@@ -1734,9 +1782,9 @@ def test_cuda_fused_activation_quantization_replays_in_the_decode_graphs(tiny_mo
 
 def test_apply_tiles_writes_sweep_winners_into_a_copy_of_the_tables(tmp_path, monkeypatch):
     """bench.apply_tiles rewrites GEMV_TABLE / MID_TABLE of a quant_tiles.py copy from sweep rows: a shape's
-    winner replaces its entry or adds one, MID_TABLE takes the fastest plain-layout tiles (never a fragment
-    layout, which WeightOnlyLinear cannot read; rows of an H200 sweep written before `best_plain` existed give
-    their best only where it is plain), other rows and the rest of the module are left alone."""
+    winner replaces its entry or adds one, MID_TABLE takes the fastest tiles, a fragment layout's too
+    (WeightOnlyLinear keeps a copy of the weight in each layout the table names), other rows and the rest of the
+    module are left alone."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -1772,14 +1820,12 @@ def test_apply_tiles_writes_sweep_winners_into_a_copy_of_the_tables(tmp_path, mo
         k: vars(v) for k, v in quant_tiles.GEMV_TABLE.items() if k != (4, 4096, 6144)
     }
     mid = {k: vars(v) for k, v in swept.MID_TABLE.items()}
-    assert set(mid) == set(quant_tiles.MID_TABLE) and not any(v["fragment"] for v in mid.values())
-    assert mid[(4, 4096, 4096, 16)] == vars(plain)
+    assert set(mid) == set(quant_tiles.MID_TABLE)
+    assert mid[(4, 4096, 4096, 16)] == vars(frag)
     for row in (r for r in h200_rows if "best" in r):
         key = (int(row["sweep"][-1]), row["k"], row["n"], row["m"])
-        if key == (4, 4096, 4096, 16):
-            continue
-        best = eval(row["best"], {"MidTiles": MidTiles})
-        expected = quant_tiles.MID_TABLE[key] if best.fragment else best
-        assert mid[key] == vars(expected), key
+        if key != (4, 4096, 4096, 16):
+            assert mid[key] == vars(eval(row["best"], {"MidTiles": MidTiles})), key
+    assert any(v["fragment"] for v in mid.values())
     assert {k: vars(v) for k, v in swept.W8A8_TABLE.items()} == {k: vars(v) for k, v in quant_tiles.W8A8_TABLE.items()}
     assert swept.GEMV_MAX_M == quant_tiles.GEMV_MAX_M

@@ -670,6 +670,7 @@ def weight_only_matmul(
     config: Tiles | MidTiles | GemvTiles | None = None,
     counters: torch.Tensor | None = None,
     perm: torch.Tensor | None = None,
+    fragments: dict[tuple[int, bool], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[M, K] activations x the packed [K, N] weight -> [M, N] in x's dtype, x's columns taken in `perm`'s
     order when given (an act-order weight's rows sorted by group: the GEMV and the decode tl.dot kernel read
@@ -677,9 +678,15 @@ def weight_only_matmul(
     times candidates) and so the kernel: GemvTiles the GEMV, MidTiles the decode tl.dot kernel (M <=
     block_m), Tiles the prompt kernel. MidTiles with `fragment` take the weight in the fragment layout
     (fragment_pack of the packed weight: [N, K / 8]), every other kernel the packed [K * bits / 32, N].
+    `fragments`: the weight's copies in fragment layouts by (kwidth, trans) (WeightOnlyLinear keeps those
+    MID_TABLE's tiles for its shape read, fragment_layouts); with them, or without config, qweight is the
+    packed layout whatever the tiles, and fragment tiles whose layout has no copy run on it as their plain twin
+    (fragment 0).
     `counters`: zeroed int32, one per output slice of a split kernel (N / 16 serve every tile), that a split
     launch leaves zeroed; WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
+    if fragments is not None or config is None:
+        qweight, config = _fragment_weight(x, qweight, bits, group_size, config, fragments or {})
     fragment = isinstance(config, MidTiles) and config.fragment
     n = qweight.shape[0 if fragment else 1]
     assert qweight.shape[1 if fragment else 0] * (32 // bits) == k
@@ -709,6 +716,27 @@ def weight_only_matmul(
         PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def fragment_layouts(bits: int, k: int, n: int) -> set[tuple[int, bool]]:
+    """The fragment layouts, (kwidth, trans), that MID_TABLE's tiles for a [K, N] weight read: WeightOnlyLinear
+    keeps a fragment_pack copy in each (for the 8B's W4 weights every layout listed costs their packed size
+    again: ~3.5 GB)."""
+    listed = (t for (b, tk, tn, _), t in MID_TABLE.items() if (b, tk, tn) == (bits, k, n) and t.fragment)
+    return {(t.fragment, t.trans) for t in listed}
+
+
+def _fragment_weight(x, qweight, bits, group_size, config, fragments) -> tuple[torch.Tensor, object]:
+    """weight_only_matmul's weight and tiles given the plain weight and its fragment copies: the tiles (config, or
+    the table's for x's rows) and the copy in their layout, or their plain twin on the plain weight when no copy
+    is in that layout."""
+    m, k = x.shape
+    if config is None and GEMV_MAX_M[bits] < m <= MID_MAX_M:
+        config = mid_tiles(bits, m, qweight.shape[1], k, group_size, _num_sms(x.device))
+    if not (isinstance(config, MidTiles) and config.fragment):
+        return qweight, config
+    copy = fragments.get((config.fragment, config.trans))
+    return (qweight, replace(config, fragment=0)) if copy is None else (copy, config)
 
 
 def _precision(x: torch.Tensor) -> str:

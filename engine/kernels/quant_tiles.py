@@ -39,13 +39,14 @@ class MidTiles(Tiles):
     registers of tl.dot's second operand for mma.sync as Triton lays it out (kWidth 2 with Triton 3.9, 4
     with 3.6; BLOCK_K 32 to 128), or with `trans` of its first operand for wgmma (2; BLOCK_K 64 or 128, N a
     multiple of 16): no trip of the unpacked tile through shared memory; K in blocks of 128. The caller
-    passes the weight in that layout (fragment_pack with this kwidth and trans). `packed`: unpack two 4-bit
+    passes the weight in that layout (fragment_pack with this kwidth and trans; WeightOnlyLinear keeps a copy
+    in each layout MID_TABLE names for its shape). `packed`: unpack two 4-bit
     fields an instruction in the activations' 16-bit type (quant_gemm._paired_fields: inline PTX), about 1.2
     fewer instructions per weight than masked on sm_90; where it cannot apply (8 bits, float32 activations,
-    the interpreter) the kernel unpacks masked, the same weights. None of the tables use it: on the H200, MID_TABLE's
-    W4 tiles with it ran the 8B's decode slower (16 rows 5.07 -> 8.0 ms a step, 64 rows 6.54 -> 7.85;
-    bench/results/2026-12-03-h200-e7833bb-mid-packed.md); with the weight second its tile's trip through shared
-    memory turns from LDSM into scalar LDS."""
+    the interpreter) the kernel unpacks masked, the same weights. On plain-layout tiles it ran the 8B's decode
+    slower on the H200 (16 rows 5.07 -> 8.0 ms a step; bench/results/2026-12-03-h200-e7833bb-mid-packed.md: with
+    the weight second its tile's trip through shared memory turns from LDSM into scalar LDS); MID_TABLE uses it
+    on two trans fragment tiles, where the sweep timed it fastest."""
 
     trans: bool = False
     masked: bool = False
@@ -129,35 +130,55 @@ GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
 MID_MAX_M = 64
 
 # (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles (BLOCK_M 16 / 32 / 64: the next power of two >= the rows,
-# at least 16). Tuned on the H100 with Triton 3.6: per shape the fastest of the previous table's tiles, their masked
-# twins (either operand order) and the sweep's five best, among tiles of the plain weight layout (fragment 0), from
-# `QUANT_SWEEP=mid QUANT_BUDGET=290 bash bench/gpu_check.sh quant-sweep`
-# (bench/results/2026-11-26-h100-efbce94-quant-sweep-mid.jsonl). A layer's four matmuls (us), previous table -> this
-# one: W4 g128 at 16 rows 211.8 -> 146.6, at 64 rows 241.9 -> 210.3; W8 at 16 rows 152.3 -> 148.9, at 64 rows 192.6 ->
-# 172.3 (bf16 206-217). The fragment layouts were faster still for W4 (the sweep's best: 131.0 at 16 rows, 182.8 at
-# 64), but their tiles need the weight repacked by quant_gemm.fragment_pack, and the model's WeightOnlyLinear keeps
-# the plain layout, so none are listed here. One run, and a noisy one (its timings of the one-row GEMV at a shape
-# differ up to 3.6x between passes; it timed the previous W4 16-row tiles at 211.8 where the 12a53e2 sweep had 147.7),
-# so the whole-model decode A/B is what confirms this table. Shapes not listed (and 17-32 rows) take
-# quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight as first operand,
-# masked, K split until about two programs per SM).
+# at least 16). W4: the H200 sweep that times every launch from a CUDA graph over 256 MiB of weight copies, per shape
+# the fastest of any layout, `QUANT_SWEEP=mid QUANT_BUDGET=140 bash bench/gpu_check.sh sweep-ab`
+# (bench/results/2026-12-03-h200-fa99455-mid-sweep.jsonl): a layer's four matmuls at 16 rows 127.8 us for the previous
+# (plain-layout) tiles against 94.2 (bf16 120.3), at 64 rows 162.6 against 155.9 (bf16 127.1). The 16-row tiles and
+# two of the 64-row ones read the trans fragment layout (quant_gemm.fragment_pack), of which WeightOnlyLinear keeps a
+# copy beside the packed weight (quant_gemm.fragment_layouts). The whole 8B decode, the previous table against this
+# one with the copies, alternated in one H200 call (bench/results/2026-12-03-h200-fa99455-fragment-copies-ab-*.jsonl):
+# 16 rows 5.086 / 5.063 -> 4.035 / 4.030 ms a step, 64 rows 6.527 / 6.518 -> 6.370 / 6.350, one row (the GEMV)
+# level. W8: the H100 sweep of plain-layout tiles (bench/results/2026-11-26-h100-efbce94-quant-sweep-mid.jsonl; a
+# layer's four matmuls at 16 rows 152.3 -> 148.9 us, at 64 rows 192.6 -> 172.3). Shapes not listed (and 17-32 rows)
+# take quant_gemm.mid_tiles' rule (256 outputs on 4 warps up to 32 rows, 128 on 8 at 64, the weight as first
+# operand, masked, K split until about two programs per SM).
 MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
     (4, 4096, 6144, 16): MidTiles(
-        block_m=16, block_n=128, block_k=128, split=6, num_warps=8, num_stages=3, masked=True
+        block_m=16, block_n=128, block_k=128, split=6, num_warps=8, num_stages=3, trans=True, masked=True, fragment=2
     ),
     (4, 4096, 4096, 16): MidTiles(
-        block_m=16, block_n=256, block_k=128, split=16, num_warps=4, num_stages=3, trans=True, masked=True
+        block_m=16,
+        block_n=256,
+        block_k=64,
+        split=16,
+        num_warps=4,
+        num_stages=3,
+        trans=True,
+        masked=True,
+        fragment=2,
+        packed=True,
     ),
     (4, 4096, 28672, 16): MidTiles(
-        block_m=16, block_n=256, block_k=64, split=5, num_warps=4, num_stages=3, masked=True
+        block_m=16,
+        block_n=256,
+        block_k=128,
+        split=2,
+        num_warps=4,
+        num_stages=3,
+        trans=True,
+        masked=True,
+        fragment=2,
+        packed=True,
     ),
     (4, 14336, 4096, 16): MidTiles(
-        block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, masked=True
+        block_m=16, block_n=64, block_k=128, split=8, num_warps=4, num_stages=3, trans=True, masked=True, fragment=2
     ),
     (4, 4096, 6144, 64): MidTiles(
-        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=True, masked=True
+        block_m=64, block_n=128, block_k=128, split=6, num_warps=4, num_stages=3, trans=True, masked=True, fragment=2
     ),
-    (4, 4096, 4096, 64): MidTiles(block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4),
+    (4, 4096, 4096, 64): MidTiles(
+        block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True, masked=True, fragment=2
+    ),
     (4, 4096, 28672, 64): MidTiles(
         block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=3, masked=True
     ),

@@ -79,7 +79,17 @@ class WeightOnlyLinear(nn.Module):
     so groups are contiguous for the kernel, and the input's columns are taken in the same order (the
     decode kernels read them through the permutation; prompt-sized batches gather them first)."""
 
-    def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        weight: IntWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        layouts: set[tuple[int, bool]] | None = None,
+    ):
+        """`layouts`: the fragment layouts (kwidth, trans) to keep a copy in; None: those MID_TABLE's tiles for
+        this shape read (quant_gemm.fragment_layouts)."""
+        from engine.kernels.quant_gemm import fragment_layouts, fragment_pack
+
         super().__init__()
         q, perm = weight.q, None
         if weight.g_idx is not None:
@@ -91,6 +101,12 @@ class WeightOnlyLinear(nn.Module):
         self.bits, self.group_size = weight.bits, weight.group_size
         self.in_features, self.out_features = q.shape
         self.register_buffer("qweight", pack_int32(q, weight.bits, dim=0))
+        # The decode tl.dot kernel's fragment-layout tiles (MID_TABLE) read the weight repacked: a copy in each
+        # layout the table names for this shape, beside the packed one the GEMV and the prompt kernel read.
+        self.fragment_keys = sorted(fragment_layouts(self.bits, *q.shape) if layouts is None else layouts)
+        for kwidth, trans in self.fragment_keys:
+            copy = fragment_pack(self.qweight, kwidth, trans)
+            self.register_buffer(_fragment_name(kwidth, trans), copy, persistent=False)
         self.register_buffer("scales", weight.scales.to(dtype).contiguous())
         self.register_buffer("zeros", weight.zeros.to(dtype).contiguous())  # small integers: exact in bf16
         self.register_buffer("perm", perm)
@@ -113,10 +129,19 @@ class WeightOnlyLinear(nn.Module):
             self.group_size,
             counters=self.counters,
             perm=self.perm,
+            fragments=self.fragments(),
         )
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fragments(self) -> dict[tuple[int, bool], torch.Tensor]:
+        """The weight's fragment-layout copies by (kwidth, trans), as weight_only_matmul takes them."""
+        return {key: getattr(self, _fragment_name(*key)) for key in self.fragment_keys}
+
+
+def _fragment_name(kwidth: int, trans: bool) -> str:
+    return f"qweight_fragment{kwidth}{'_trans' if trans else ''}"
 
 
 FP8 = torch.float8_e4m3fn
