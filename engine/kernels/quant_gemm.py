@@ -685,20 +685,22 @@ def weight_only_matmul(
     `counters`: zeroed int32, one per output slice of a split kernel (N / 16 serve every tile), that a split
     launch leaves zeroed; WeightOnlyLinear owns one so a decode step allocates none."""
     m, k = x.shape
-    if fragments is not None or config is None:
-        qweight, config = _fragment_weight(x, qweight, bits, group_size, config, fragments or {})
-    fragment = isinstance(config, MidTiles) and config.fragment
-    n = qweight.shape[0 if fragment else 1]
-    assert qweight.shape[1 if fragment else 0] * (32 // bits) == k
-    assert scales.shape == zeros.shape == (-(-k // group_size), n)
-    if config is None:
-        num_sms = _num_sms(x.device)
+    chosen = config is None  # the table's tiles, for the packed weight
+    if chosen:
+        n, num_sms = qweight.shape[1], _num_sms(x.device)
         if 0 < m <= GEMV_MAX_M[bits]:
             config = gemv_tiles(bits, n, k, num_sms, m)
         elif m <= MID_MAX_M:
             config = mid_tiles(bits, m, n, k, group_size, num_sms)
         else:
             config = tiles(m, n, k, group_size)
+    if (chosen or fragments is not None) and isinstance(config, MidTiles) and config.fragment:
+        copy = (fragments or {}).get((config.fragment, config.trans))
+        qweight, config = (qweight, replace(config, fragment=0)) if copy is None else (copy, config)
+    fragment = isinstance(config, MidTiles) and config.fragment
+    n = qweight.shape[0 if fragment else 1]
+    assert qweight.shape[1 if fragment else 0] * (32 // bits) == k
+    assert scales.shape == zeros.shape == (-(-k // group_size), n)
     if isinstance(config, GemvTiles):
         return _gemv(x, qweight, scales, zeros, bits, group_size, config, counters, perm)
     if isinstance(config, MidTiles):
@@ -724,19 +726,6 @@ def fragment_layouts(bits: int, k: int, n: int) -> set[tuple[int, bool]]:
     again: ~3.5 GB)."""
     listed = (t for (b, tk, tn, _), t in MID_TABLE.items() if (b, tk, tn) == (bits, k, n) and t.fragment)
     return {(t.fragment, t.trans) for t in listed}
-
-
-def _fragment_weight(x, qweight, bits, group_size, config, fragments) -> tuple[torch.Tensor, object]:
-    """weight_only_matmul's weight and tiles given the plain weight and its fragment copies: the tiles (config, or
-    the table's for x's rows) and the copy in their layout, or their plain twin on the plain weight when no copy
-    is in that layout."""
-    m, k = x.shape
-    if config is None and GEMV_MAX_M[bits] < m <= MID_MAX_M:
-        config = mid_tiles(bits, m, qweight.shape[1], k, group_size, _num_sms(x.device))
-    if not (isinstance(config, MidTiles) and config.fragment):
-        return qweight, config
-    copy = fragments.get((config.fragment, config.trans))
-    return (qweight, replace(config, fragment=0)) if copy is None else (copy, config)
 
 
 def _precision(x: torch.Tensor) -> str:
