@@ -1005,7 +1005,13 @@ def mode_quant_decode(args) -> None:
     kinds = args.kinds or list(QUANT_KINDS)
     for kind in kinds:
         quantization, recipe = QUANT_KINDS[kind]
-        llm = _llm(_quant_model_dir(recipe), args.backend, args.eager, quantization=quantization)
+        llm = _llm(
+            _quant_model_dir(recipe),
+            args.backend,
+            args.eager,
+            quantization=quantization,
+            quant_fragment_copies=not args.no_quant_fragment_copies,
+        )
         model = llm.engine.runner.model
         cfg = model.config
         weight_bytes = _linear_bytes(model)
@@ -1026,6 +1032,7 @@ def mode_quant_decode(args) -> None:
                     "context": 128,
                     "backend": args.backend,
                     "cuda_graphs": not args.eager,
+                    "fragment_copies": not args.no_quant_fragment_copies,
                     "step_ms": step_s * 1e3,
                     "tok_s": batch / step_s,
                     "vs_bf16": base[batch] / step_s if batch in base else None,
@@ -1599,6 +1606,11 @@ def main() -> None:
     parser.add_argument("--long-kv", nargs="+", default=["auto", "fp8"], help="long-decode: KV dtypes, in order")
     parser.add_argument("--quantization", default=None, help="workload mode: --quantization (e.g. fp8)")
     parser.add_argument("--kinds", nargs="+", choices=list(QUANT_KINDS), help="quant-decode mode: these kinds only")
+    parser.add_argument(
+        "--no-quant-fragment-copies",
+        action="store_true",
+        help="quant-decode mode: EngineConfig.quant_fragment_copies off (4-bit tiles read the packed weight)",
+    )
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="quant-decode mode: batches")
     parser.add_argument("--prompt-len", type=int, default=64, help="greedy mode: tokens per prompt")
     parser.add_argument("--trace-at", type=int, default=None, help="profile mode: trace steps N..N+10")

@@ -183,6 +183,13 @@ class EngineConfig:
         flags=("--quantization", "-q"),
         default_help="the checkpoint's own, else none",
     )
+    quant_fragment_copies: bool = knob(
+        True,
+        "4-bit weight-only models on CUDA: keep a second copy of each weight in the layout the tensor-core decode "
+        "kernel's tiles read at 3-64 rows, for the shapes its tile table names (Llama-3-8B W4A16: 3.5 GB more, "
+        "decode steps of 16 sequences 20% faster on an H200); --no-quant-fragment-copies leaves that memory to "
+        "the KV cache, the kernel then reading the packed weight",
+    )
     seed: int = knob(0, "seeds dummy weights and the sampling of requests that give no seed")
     max_num_seqs: int = knob(256, "sequences decoded together, at most", min=1)
     max_num_batched_tokens: int = knob(

@@ -156,6 +156,7 @@ def load_model(
     seed: int = 0,
     backend: AttentionBackend | None = None,
     quantization: str | None = None,
+    fragment_copies: bool = True,
 ) -> tuple[nn.Module, dict]:
     """The model on `device` in `dtype`, its layers calling `backend` (default: the torch reference),
     and its HF config.
@@ -166,12 +167,15 @@ def load_model(
     its linears for the scheme's modules (engine/quant) once the tensors are read; the linears whose packed
     tensors the checkpoint holds never get a full-precision weight, a dummy load's quantized linears are made
     from their random weights one at a time, and a load-time scheme (fp8, int8) quantizes each linear as soon as
-    the checkpoint has filled it, so the load peaks near the quantized model's size.
+    the checkpoint has filled it, so the load peaks near the quantized model's size. `fragment_copies`
+    (EngineConfig.quant_fragment_copies): whether 4-bit weight-only linears on CUDA keep their fragment-layout
+    copies (engine/layers/linear.py WeightOnlyLinear).
     """
     hf_config = read_hf_config(model_dir)
     scheme = detect_scheme(hf_config, model_dir, quantization)
     if scheme is not None:
         log.info("quantization: %s", scheme.describe())
+        scheme.fragment_copies = fragment_copies
     try:
         cls = model_class(hf_config)
         with _default_dtype(dtype), torch.device(device), _DeferredParameters():

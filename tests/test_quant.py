@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -712,6 +713,75 @@ def test_weight_only_linear_keeps_fragment_copies_that_fragment_tiles_read():
             assert (tiles.fragment, tiles.trans) in fragment_layouts(bits, tk, tn) and bits == 4
             tiles.check(tk, 128)
             assert not tiles.trans or tn % 16 == 0
+
+
+def test_table_tiles_give_fragment_tiles_without_a_copy_the_plain_table_tiles():
+    """quant_gemm.table_tiles: a MID_TABLE fragment tile with its layout among the weight's copies is taken as
+    listed; without it, MID_PLAIN_TABLE's tiles for the shape (plain layout, tiling it), or the plain twin where
+    those cannot take the group; every MID_PLAIN_TABLE entry stands in for a fragment entry. The GEMV's tiles at
+    one row, the prompt kernel's past MID_MAX_M."""
+    from engine.kernels.quant_gemm import table_tiles
+    from engine.kernels.quant_tiles import MID_MAX_M, MID_PLAIN_TABLE, MID_TABLE, GemvTiles, MidTiles, Tiles
+
+    fragment_keys = {key for key, t in MID_TABLE.items() if t.fragment}
+    assert fragment_keys and set(MID_PLAIN_TABLE) == fragment_keys
+    for bits, k, n, bm in fragment_keys:
+        listed, plain = MID_TABLE[bits, k, n, bm], MID_PLAIN_TABLE[bits, k, n, bm]
+        layout = (listed.fragment, listed.trans)
+        assert table_tiles(bits, bm, n, k, 128, 132, {layout}) == listed
+        assert table_tiles(bits, bm, n, k, 128, 132, set()) == plain
+        assert table_tiles(bits, bm - 1, n, k, 128, 132, {(4, False)} - {layout}) == plain
+        assert not plain.fragment and plain.block_m == bm
+        plain.check(k, 128)
+    narrow = next(key for key in fragment_keys if MID_TABLE[key].block_k == 64 and MID_PLAIN_TABLE[key].block_k > 64)
+    bits, k, n, bm = narrow  # groups of 64: the plain table's K step does not divide them
+    assert table_tiles(bits, bm, n, k, 64, 132, set()) == dataclasses.replace(MID_TABLE[narrow], fragment=0)
+    assert isinstance(table_tiles(4, 1, 4096, 4096, 128, 132, set()), GemvTiles)
+    prompt = table_tiles(4, MID_MAX_M + 1, 4096, 4096, 128, 132, set())
+    assert type(prompt) is Tiles and not isinstance(prompt, MidTiles)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU dequantizes 4-bit weights at load: no copies)")
+def test_quant_fragment_copies_knob_keeps_or_drops_the_copies_on_cuda(tmp_path):
+    """EngineConfig.quant_fragment_copies, through LLM and the loader to each WeightOnlyLinear of a one-layer
+    Llama-3-8B-shaped GPTQ W4 g128 model: on, every linear keeps the fragment layouts MID_TABLE names for its
+    shape (some do: the 8B's shapes); off, none does, and at 16 rows (fragment tiles, with the copies) each linear
+    gives what it gives with them, on MID_PLAIN_TABLE's tiles without; both engines generate."""
+    import gc
+
+    from bench.quant_checkpoints import _quantization_config
+    from engine import LLM, SamplingParams
+    from engine.kernels.quant_gemm import fragment_layouts
+    from engine.layers.linear import WeightOnlyLinear
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "bench/configs/llama3-8b/config.json").read_text())
+    cfg |= {
+        "num_hidden_layers": 1,
+        "vocab_size": 512,
+        "quantization_config": _quantization_config(RECIPES["gptq-w4g128"]),
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    x = torch.randn(16, cfg["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    for copies in (True, False):
+        llm = LLM(str(tmp_path), dtype="bfloat16", load_format="dummy", quant_fragment_copies=copies,
+                  max_model_len=256, num_gpu_blocks_override=64)  # fmt: skip
+        layers = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, WeightOnlyLinear)}
+        assert len(layers) == 4  # qkv, o, gate/up, down
+        for name, layer in layers.items():
+            want = fragment_layouts(4, layer.in_features, layer.out_features) if copies else set()
+            assert set(layer.fragments()) == want, name
+        if copies:
+            assert any(layer.fragments() for layer in layers.values())
+        with torch.no_grad():
+            outs[copies] = {n: m(x[:, : m.in_features].contiguous()).float() for n, m in layers.items()}
+        done = llm.generate([[5, 6, 7, 8]] * 16, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert all(len(r.outputs[0].token_ids) == 4 for r in done)
+        del llm, layers, done
+        gc.collect()
+        torch.cuda.empty_cache()
+    for name, ref in outs[True].items():
+        assert (outs[False][name] - ref).norm() / ref.norm() < 1e-2, name
 
 
 def test_mid_sweep_candidates_are_valid_and_breadth_first():

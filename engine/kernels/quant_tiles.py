@@ -108,16 +108,18 @@ class RowTiles:
 # the prefetched words at two). So: bits -> the most rows the GEMV takes.
 GEMV_MAX_M: dict[int, int] = {4: 2, 8: 1}
 
-# (bits, K, N) -> the GEMV's tiles, the best of the H100 sweep's grid at one row (gemv_rows fits them to m):
-# `QUANT_BUDGET=180 bash bench/gpu_check.sh quant-gemv` (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl).
-# The four 8B matmuls of a layer at one row: W4 91.4 us against bf16's 205.0 (2.24x), W8 128.2 (1.60x).
-# Also the H200's table: the H200 sweep's own winners ran the whole 8B model slower at one row (311.8 against
-# 319.2 tok/s, alternated in one call; bench/results/2026-12-02-h200-6045f95-gemv-h200-table-ab.jsonl).
+# (bits, K, N) -> the GEMV's tiles at one row (gemv_rows fits them to m). W4: the H200 sweep that times every launch
+# from a CUDA graph over 256 MiB of weight copies, `QUANT_SWEEP=gemv QUANT_BUDGET=200 bash bench/gpu_check.sh
+# sweep-ab` (bench/results/2026-12-03-h200-5b25bb0-gemv-sweep.jsonl): the four 8B matmuls of a layer at one row
+# 59.4 us against 61.6 for the H100's tiles and bf16's 121.7 (2.05x); the whole 8B decode, the H100's tiles against
+# these, alternated in the same call: one row 2.836 / 2.839 -> 2.769 / 2.773 ms a step, two rows 3.799 / 3.803 ->
+# 3.712 / 3.708. W8: the H100 sweep's grid, `QUANT_BUDGET=180 bash bench/gpu_check.sh quant-gemv`
+# (bench/results/2026-11-26-h100-4b86bf1-quant-gemv.jsonl; a layer's four matmuls 128.2 us, bf16 205.0).
 GEMV_TABLE: dict[tuple[int, int, int], GemvTiles] = {
-    (4, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=1),
-    (4, 4096, 4096): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=4, prefetch=1),
+    (4, 4096, 6144): GemvTiles(block_n=32, block_kw=64, split=2, num_warps=8, prefetch=1),
+    (4, 4096, 4096): GemvTiles(block_n=32, block_kw=64, split=4, num_warps=4, prefetch=1),
     (4, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=4, prefetch=1),
-    (4, 14336, 4096): GemvTiles(block_n=64, block_kw=32, split=8, num_warps=8, prefetch=1),
+    (4, 14336, 4096): GemvTiles(block_n=32, block_kw=64, split=4, num_warps=8, prefetch=1),
     (8, 4096, 6144): GemvTiles(block_n=64, block_kw=32, split=4, num_warps=8, prefetch=2),
     (8, 4096, 4096): GemvTiles(block_n=32, block_kw=64, split=4, num_warps=4, prefetch=2),
     (8, 4096, 28672): GemvTiles(block_n=64, block_kw=32, split=1, num_warps=8, prefetch=0, num_stages=3),
@@ -207,6 +209,22 @@ MID_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
     (8, 14336, 4096, 64): MidTiles(
         block_m=64, block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, trans=True, masked=True
     ),
+}
+
+# (bits, K, N, BLOCK_M) -> the decode tl.dot kernel's tiles on the packed weight, for each MID_TABLE entry that reads a
+# fragment layout: taken when the weight keeps no copy in it (EngineConfig.quant_fragment_copies off;
+# quant_gemm.table_tiles). The same H200 sweep's fastest plain-layout tiles (its rows' best_plain); that table, swept in
+# the model without copies against the H100's (bench/results/2026-12-03-h200-fa99455-mid-sweep-ab-*.jsonl): 16 rows
+# 5.044 / 5.047 -> 5.051 / 5.054 ms a step, 64 rows 6.527 / 6.530 -> 6.464 / 6.483. The fragment tiles' plain twins
+# instead (the copies off, these not yet): 16 rows 6.17 ms, 64 rows 6.50 (bench/results/
+# 2026-12-03-h200-5b25bb0-fragment-copies-knob.jsonl; with the copies 4.03 and 6.34).
+MID_PLAIN_TABLE: dict[tuple[int, int, int, int], MidTiles] = {
+    (4, 4096, 6144, 16): MidTiles(16, 128, 128, 6, num_warps=8, num_stages=3, masked=True),
+    (4, 4096, 4096, 16): MidTiles(16, 256, 128, 16, num_warps=4, num_stages=3, trans=True, masked=True),
+    (4, 4096, 28672, 16): MidTiles(16, 256, 64, 5, num_warps=4, num_stages=3, masked=True),
+    (4, 14336, 4096, 16): MidTiles(16, 64, 128, 8, num_warps=4, num_stages=3, masked=True),
+    (4, 4096, 6144, 64): MidTiles(64, 128, 128, 6, num_warps=4, num_stages=3, trans=True, masked=True),
+    (4, 4096, 4096, 64): MidTiles(64, 64, 128, 4, num_warps=4, num_stages=4, trans=True, masked=True, packed=True),
 }
 
 # W8A8: batches of at most INT8_TRITON_MAX_M / FP8_TRITON_MAX_M rows take the Triton 8-bit GEMM (scales

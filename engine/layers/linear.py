@@ -55,12 +55,15 @@ def prepack_linears(model: nn.Module) -> int:
 # ----- quantized linears (engine/quant makes them at load; each forward runs one path, chosen there) -----
 
 
-def weight_only_linear(shards: list[IntWeight], bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+def weight_only_linear(
+    shards: list[IntWeight], bias: torch.Tensor | None, dtype: torch.dtype, fragment_copies: bool = True
+) -> nn.Module:
     """The layer for a weight-only quantized matrix (its fused shards in output order): the Triton kernel on
-    CUDA; on the CPU, where no kernel of pagoda's reads packed integers, the weight dequantized once to a
-    plain nn.Linear."""
+    CUDA (with the fragment-layout copies MID_TABLE names for its shape, or none without `fragment_copies`);
+    on the CPU, where no kernel of pagoda's reads packed integers, the weight dequantized once to a plain
+    nn.Linear."""
     if shards[0].q.device.type == "cuda":
-        return WeightOnlyLinear(concat_outputs(shards), bias, dtype)
+        return WeightOnlyLinear(concat_outputs(shards), bias, dtype, layouts=None if fragment_copies else set())
     weight = torch.cat([s.dequantize() for s in shards], dim=1)  # [K, N]
     k, n = weight.shape
     linear = nn.Linear(k, n, bias=bias is not None, dtype=dtype, device=weight.device)

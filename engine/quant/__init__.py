@@ -145,6 +145,9 @@ class QuantScheme(ABC):
     # The checkpoint tensor suffix that marks a linear layer as quantized (e.g. "qweight"); None for a scheme
     # that quantizes full-precision weights at load, where every linear but the LM head is quantized.
     marker: str | None = None
+    # Weight-only schemes: whether their CUDA linears keep fragment-layout copies (load_model sets it from
+    # EngineConfig.quant_fragment_copies; engine/layers/linear.py weight_only_linear).
+    fragment_copies: bool = True
 
     @abstractmethod
     def make_linear(

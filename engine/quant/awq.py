@@ -61,7 +61,7 @@ class AWQ(QuantScheme):
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
-        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype)
+        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype, self.fragment_copies)
 
 
 def pack(weight: IntWeight) -> dict[str, torch.Tensor]:

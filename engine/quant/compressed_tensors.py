@@ -70,7 +70,7 @@ class CompressedWeightOnly(QuantScheme):
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
-        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype)
+        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype, self.fragment_copies)
 
 
 class CompressedW8A8(QuantScheme):

@@ -63,7 +63,7 @@ class GPTQ(QuantScheme):
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
-        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype)
+        return weight_only_linear([self.unpack(s) for s in shards], bias, dtype, self.fragment_copies)
 
 
 def pack(weight: IntWeight, v2: bool = False) -> dict[str, torch.Tensor]:

@@ -15,4 +15,4 @@ class Int8AtLoad(QuantScheme):
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import weight_only_linear
 
-        return weight_only_linear([quantize_rtn(shards[0]["weight"], 8, -1)], bias, dtype)
+        return weight_only_linear([quantize_rtn(shards[0]["weight"], 8, -1)], bias, dtype, self.fragment_copies)

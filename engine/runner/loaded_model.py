@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig
-from engine.layers.linear import can_prepack, prepack_linears
+from engine.layers.linear import WeightOnlyLinear, can_prepack, prepack_linears
 from engine.loader import head_dim_of, load_model, read_hf_config
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.kv_cache import KVCache
@@ -75,12 +75,33 @@ class LoadedModel:
         role = "" if what == "the model" else f", {what}"
         log.info("loading %s (%s on %s%s)", source, config.dtype, config.device, role)
         self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, load_format, config.seed, self.backend, quantization
+            model_dir,
+            self.dtype,
+            self.device,
+            load_format,
+            config.seed,
+            self.backend,
+            quantization,
+            config.quant_fragment_copies,
         )
         # The state dict holds quantized layers' buffers beside the parameters (and a tied head twice).
         weights = {t.data_ptr(): t for t in self.model.state_dict().values() if t is not None}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        log.info("weights loaded in %.1f s (%.2f GiB%s)", time.perf_counter() - start, self.weight_bytes / 2**30, role)
+        # Fragment-layout copies (EngineConfig.quant_fragment_copies) are buffers outside the state dict.
+        copies = sum(
+            t.numel() * t.element_size()
+            for m in self.model.modules()
+            if isinstance(m, WeightOnlyLinear)
+            for t in m.fragments().values()
+        )
+        extra = f", and {copies / 2**30:.2f} GiB of fragment-layout copies" if copies else ""
+        log.info(
+            "weights loaded in %.1f s (%.2f GiB%s%s)",
+            time.perf_counter() - start,
+            self.weight_bytes / 2**30,
+            extra,
+            role,
+        )
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.sampler = Sampler(mc.vocab_size, eos_token_ids, self.device)
