@@ -299,7 +299,10 @@ def _load_safetensors(
         # A quantized layer's weight is its packed tensors (whatever module replaces it).
         in_place_of_weights = {f"{module}.weight" for module in quantized}
         if scheme is not None and scheme.marker is not None:
-            quantize_linears(model, scheme, quantized)  # its error names a fused layer's missing packed shard
+            try:
+                quantize_linears(model, scheme, quantized)
+            except ValueError as exc:  # names the layer: a missing shard, a tensor of the wrong shape or kind
+                raise ModelLoadError(model_dir, str(exc)) from None
     missing = expected - in_place_of_weights - {n.removeprefix("model.") for n in loaded}
     if missing:
         raise ModelLoadError(

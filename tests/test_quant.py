@@ -179,6 +179,15 @@ def test_detection_reads_config_and_the_older_side_files(tmp_path):
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "awq", ["quantized with gptq", "--quantization awq"]),
         (None, "gptq", ["needs a checkpoint quantized with it"]),
         (None, "marlin", ["not supported", "gptq, awq, compressed-tensors, fp8, int8"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": "x"}, None, ["group_size should be an integer, not 'x'"]),
+        ({"quant_method": "awq", "w_bit": 4.5}, None, ["w_bit should be an integer, not 4.5"]),
+        ([{"quant_method": "gptq"}], None, ["quantization_config should be an object"]),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+                "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+            None,
+            ["weights int4 group", "group_size None"],
+        ),
         (
             {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
                 "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
@@ -432,24 +441,131 @@ def test_dummy_quantized_layers_round_the_full_precision_dummy_weights(tiny_mode
     assert torch.equal(model.lm_head.weight, full.lm_head.weight) and torch.equal(model.norm.weight, full.norm.weight)
 
 
-def test_corrupted_quantized_checkpoint_fails_at_load(quantized_dirs, tmp_path):
-    """A checkpoint that lacks one shard's packed tensors is refused at start, naming what is missing."""
+K_PROJ = "model.layers.0.self_attn.k_proj."  # the tiny model's: 64 inputs, 32 outputs
+
+
+def _shorter(suffix: str, dim: int = 0):
+    """An edit of a checkpoint's tensors: k_proj's `suffix` one row (or column) short."""
+
+    def edit(t: dict) -> None:
+        tensor = t[K_PROJ + suffix]
+        t[K_PROJ + suffix] = tensor.narrow(dim, 0, tensor.shape[dim] - 1).clone()
+
+    return edit
+
+
+def _set(suffix: str, change):
+    return lambda t: t.__setitem__(K_PROJ + suffix, change(t[K_PROJ + suffix]))
+
+
+def _drop(*suffixes: str):
+    return lambda t: [t.pop(K_PROJ + s) for s in suffixes]
+
+
+# case -> (recipe, edit of the tensors, edit of quantization_config, words the message holds)
+QUANT_CORRUPTIONS = {
+    "a fused shard's tensors missing": (
+        "gptq-w4g128", _drop("qweight", "qzeros", "scales", "g_idx"), None,
+        ["quantized layers.0.self_attn.q_proj but not layers.0.self_attn.k_proj beside it"],
+    ),
+    "gptq qweight a row short": (
+        "gptq-w4g128", _shorter("qweight"), None,
+        ["layers.0.self_attn.k_proj: qweight is int32 [7, 32]", "64 inputs and 32 outputs", "needs int32 [8, 32]"],
+    ),
+    "gptq qweight of floats": ("gptq-w4g128", _set("qweight", torch.Tensor.float), None, ["qweight is float32"]),
+    "gptq scales a column short": ("gptq-w4g128", _shorter("scales", 1), None, ["scales is float16 [2, 31]"]),
+    "gptq g_idx past the groups": (
+        "gptq-w4g32-actorder", _set("g_idx", lambda g: g + 100), None, ["k_proj: g_idx names group", "groups 0 to 1"],
+    ),
+    "gptq g_idx a row short": ("gptq-w4g32-actorder", _shorter("g_idx"), None, ["g_idx is int32 [63]"]),
+    "gptq config's groups contradict the tensors": (
+        "gptq-w4g128", None, {"group_size": 64},
+        ["layers.0.self_attn.q_proj: qzeros is int32 [2, 8]", "(4-bit, 1 group of 64) needs int32 [1, 8]"],
+    ),
+    "gptq config's bits contradict the tensors": (
+        "gptq-w4g128", None, {"bits": 8}, ["q_proj: qweight is int32 [8, 64]", "(8-bit, 2 groups of 32)"],
+    ),
+    "awq qzeros a row short": ("awq-w4g128", _shorter("qzeros"), None, ["qzeros is int32 [1, 4]", "[2, 4]"]),
+    "compressed-tensors weight_packed a row short": (
+        "ct-w4a16-g32-asym", _shorter("weight_packed"), None, ["weight_packed is int32 [31, 8]"],
+    ),
+    "compressed-tensors zero points of one group": (
+        "ct-w4a16-g32-asym", _shorter("weight_zero_point", 1), None, ["weight_zero_point is int32 [4, 1]"],
+    ),
+    "compressed-tensors weight_shape contradicts config.json": (
+        "ct-w4a16-g32-asym", _set("weight_shape", lambda s: s * 2), None, ["weight_shape is [64, 128]", "[32, 64]"],
+    ),
+    "W8A8 fp8 scales a row short": (
+        "ct-w8a8-fp8", _shorter("weight_scale"), None, ["weight_scale is float32 [31, 1]", "needs 32 float values"],
+    ),
+    "W8A8 int8 weight a row short": ("ct-w8a8-int8", _shorter("weight"), None, ["weight is int8 [31, 64]"]),
+    "W8A8 fp8 weight stored as int8": (
+        "ct-w8a8-fp8", _set("weight", lambda w: w.view(torch.int8)), None, ["weight is int8", "float8_e4m3fn"],
+    ),
+    "W8A8 static without its input_scale": (
+        "ct-w8a8-int8-static", _drop("input_scale"), None, ["k_proj: input_scale is missing"],
+    ),
+}  # fmt: skip
+
+
+def _corrupted_copy(quantized_dirs, tmp_path, case: str) -> tuple[Path, list[str]]:
+    """A copy of the case's checkpoint, corrupted as QUANT_CORRUPTIONS says; the words its error must hold."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from engine.loader import load_model
-
-    src = quantized_dirs("gptq-w4g128")
+    name, edit, qc_edit, words = QUANT_CORRUPTIONS[case]
+    src = quantized_dirs(name)
     for f in src.iterdir():
         if f.is_file():
             shutil.copy(f, tmp_path / f.name)
-    tensors = load_file(src / "model.safetensors")
-    del tensors["model.layers.0.self_attn.k_proj.qweight"], tensors["model.layers.0.self_attn.k_proj.qzeros"]
-    del tensors["model.layers.0.self_attn.k_proj.scales"], tensors["model.layers.0.self_attn.k_proj.g_idx"]
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="k_proj"):
-        load_model(tmp_path, torch.float32, torch.device("cpu"))
+    if edit is not None:
+        tensors = load_file(src / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, tmp_path / "model.safetensors")
+    if qc_edit is not None:
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"].update(qc_edit)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path, words
+
+
+@pytest.mark.parametrize("case", list(QUANT_CORRUPTIONS))
+def test_corrupted_quantized_checkpoint_fails_at_load_naming_the_layer_and_tensor(quantized_dirs, tmp_path, case):
+    """A quantized checkpoint whose tensors do not fit config.json (missing, a row short, of another dtype, group
+    indices past the groups, a config whose bits or groups contradict them) is refused at load with one line
+    naming the directory, the layer, the tensor as it is and what the layer needs; before the tensors were
+    checked, some of these loaded and failed at the first request (W8A8 scales a row short), others ended in a
+    bare torch error (a qweight of floats: "rshift_cpu" not implemented)."""
+    from engine.loader import ModelLoadError, load_model
+
+    path, words = _corrupted_copy(quantized_dirs, tmp_path, case)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path, torch.float32, torch.device("cpu"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: "), message
+    for word in words:
+        assert word in message, message
+
+
+def test_serve_refuses_a_corrupted_quantized_checkpoint_in_one_line(quantized_dirs, tmp_path, default_model_dir):
+    """`pagoda serve` on a W8A8 checkpoint whose scales are a row short (which loaded, then failed at the first
+    request) exits 1 before listening, its last line the loader's, with no traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    path, words = _corrupted_copy(quantized_dirs, tmp_path, "W8A8 fp8 scales a row short")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_dir) / name, path / name)
+    pagoda = Path(sys.executable).with_name("pagoda")
+    cmd = [str(pagoda), "serve", str(path), "--port", "0", "--dtype", "float32", "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pagoda serve: {path}: layers.0.self_attn.k_proj: "), last
+    assert all(word in last for word in words), last
 
 
 # ----- the Triton W4A16 / W8A16 kernel (Triton's interpreter without a GPU, at small shapes) -----

@@ -213,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         shard = self.fused_name(name)
         if shard is not None:
             fused, index = shard
-            sizes = self._shard_sizes(fused.split(".")[-2])
+            sizes = self.shard_sizes(fused.rpartition(".")[0])
             start = sum(sizes[:index])
             _copy_checked(name, params[fused].data.narrow(0, start, sizes[index]), tensor)
             return True
@@ -222,11 +222,15 @@ class LlamaForCausalLM(nn.Module):
         _copy_checked(name, params[name].data, tensor)
         return True
 
-    def _shard_sizes(self, fused: str) -> list[int]:
+    def shard_sizes(self, name: str) -> list[int]:
+        """The outputs of each checkpoint shard (shard_names' order) that fills this model's linear `name`."""
         cfg = self.config
-        if fused == "qkv_proj":
+        kind = name.rpartition(".")[2]
+        if kind == "qkv_proj":
             return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        if kind == "gate_up_proj":
+            return [cfg.intermediate_size, cfg.intermediate_size]
+        return [self.get_submodule(name).out_features]
 
 
 def _copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:

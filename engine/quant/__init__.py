@@ -22,10 +22,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
-
-
-class UnsupportedQuantization(ValueError):
-    """A checkpoint's quantization (or the one asked for) that pagoda cannot serve; the message names it."""
+from engine.quant.checks import UnsupportedQuantization, check_tensor
 
 
 @dataclass
@@ -165,6 +162,13 @@ class QuantScheme(ABC):
         which is how dummy weights (load_format="dummy") of a quantized config are made."""
         return {"weight": weight}
 
+    def check_shard(self, t: dict[str, torch.Tensor], k: int, n: int) -> None:
+        """Raise ValueError naming the first of one shard's tensors `t` (as make_linear takes them) whose dtype or
+        shape does not fit a shard of k inputs and n outputs (config.json's sizes), so that a corrupted
+        checkpoint is refused at load by name, never unpacked wrong or failed on at the first request. Here:
+        a load-time scheme's shard, the full-precision weight."""
+        check_tensor(t, "weight", "float", (n, k), f"a layer of {k} inputs and {n} outputs")
+
 
 def _read_json(path: Path) -> dict | None:
     from engine.loader import read_json  # the loader imports this package: imported at use, not at the top
@@ -193,6 +197,8 @@ def detect_scheme(hf_config: dict, model_dir: str | Path, override: str | None =
     from engine.quant import awq, compressed_tensors, fp8, gptq, int8
 
     qc = checkpoint_quantization(hf_config, model_dir)
+    if qc is not None and not isinstance(qc, dict):
+        raise UnsupportedQuantization(f"the checkpoint's quantization_config should be an object, not {qc!r:.80}")
     found = None if qc is None else str(qc.get("quant_method", "")).lower().replace("_", "-")
     if override is not None and override not in QUANTIZATIONS:
         raise UnsupportedQuantization(
@@ -236,6 +242,29 @@ def replace_linear(
     setattr(parent, child_name, scheme.make_linear(shards, bias, child.weight.dtype))
 
 
+def _replace_checked(
+    model: nn.Module, name: str, scheme: QuantScheme, parts: list[str], shards: list[dict[str, torch.Tensor]]
+) -> None:
+    """replace_linear for the model's linear `name` from its shards' tensors (checkpoint names `parts`; one
+    shard, `name`, for the whole layer), each checked against config.json's sizes first; a ValueError names
+    the shard or the layer."""
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    child = getattr(parent, child_name)
+    sizes = model.shard_sizes(name) if len(shards) > 1 else [child.out_features]
+    for part, n, shard in zip(parts, sizes, shards, strict=True):
+        try:
+            scheme.check_shard(shard, child.in_features, n)
+        except ValueError as exc:
+            raise ValueError(f"{part}: {exc}") from None
+    try:
+        replace_linear(parent, child_name, scheme, shards)
+    except torch.OutOfMemoryError:  # the device is full, the checkpoint is fine
+        raise
+    except (ValueError, RuntimeError, IndexError) as exc:  # what the tensors' shapes cannot tell (act orders)
+        raise ValueError(f"{parts[0] if len(parts) == 1 else name}: {str(exc).strip().splitlines()[0]}") from None
+
+
 def quantize_linears(
     model: nn.Module,
     scheme: QuantScheme,
@@ -260,7 +289,7 @@ def quantize_linears(
                 if not replaced_at_load(prefix + child_name, child):
                     continue
                 weight = child.weight if dummy_weight is None else dummy_weight(prefix + child_name)
-                shards = [scheme.tensors_of(weight.detach())]  # a fused layer as one shard
+                parts, shards = [prefix + child_name], [scheme.tensors_of(weight.detach())]  # fused: one shard
             else:
                 parts = model.shard_names(prefix + child_name)  # a fused layer's shards, in output order
                 present = [p for p in parts if p in tensors]
@@ -270,7 +299,7 @@ def quantize_linears(
                     missing = sorted(set(parts) - set(present))
                     raise ValueError(f"checkpoint has quantized {present[0]} but not {missing[0]} beside it")
                 shards = [tensors.pop(p) for p in parts]
-            replace_linear(parent, child_name, scheme, shards)
+            _replace_checked(model, prefix + child_name, scheme, parts, shards)
             replaced += 1
     if tensors:
         left = sorted(tensors)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
+from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
+from engine.quant.checks import UnsupportedQuantization, check_tensor, config_int, group_count, layer_words
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER[i]
 _COLUMN_FIELD = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in field _COLUMN_FIELD[c]
@@ -43,15 +44,19 @@ class AWQ(QuantScheme):
     def describe(self) -> str:
         return f"awq (gemm layout, 4-bit, group {self.group_size})"
 
+    def check_shard(self, t, k, n):
+        groups = group_count(k, self.group_size)
+        layer = layer_words("AWQ", k, n, 4, self.group_size)
+        if n % 8:
+            raise ValueError(f"{layer} does not pack into words of 8 fields")
+        check_tensor(t, "qweight", "int32", (k, n // 8), layer)
+        check_tensor(t, "qzeros", "int32", (groups, n // 8), layer)
+        check_tensor(t, "scales", "float", (groups, n), layer)
+
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         q = _unpack_columns(t["qweight"])
         zeros = _unpack_columns(t["qzeros"])
-        scales = t["scales"]
-        if zeros.shape != scales.shape or scales.shape[1] != q.shape[1]:
-            raise ValueError(
-                f"AWQ tensors disagree: qweight unpacks to {tuple(q.shape)}, qzeros to "
-                f"{tuple(zeros.shape)}, scales are {tuple(scales.shape)}"
-            )
+        scales = t["scales"]  # check_shard has matched the shapes
         group_size = q.shape[0] if self.group_size == -1 else self.group_size
         return IntWeight(q, scales, zeros, 4, group_size)
 
@@ -70,8 +75,8 @@ def pack(weight: IntWeight) -> dict[str, torch.Tensor]:
 
 
 def from_config(qc: dict) -> AWQ:
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    bits = config_int(qc, "bits", "w_bit", default=4)
+    group_size = config_int(qc, "group_size", "q_group_size", default=128)
     version = str(qc.get("version", "gemm")).lower()
     zero_point = bool(qc.get("zero_point", True))
     if bits != 4 or group_size not in GROUP_SIZES or version != "gemm" or not zero_point:

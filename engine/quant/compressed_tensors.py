@@ -21,7 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
+from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
+from engine.quant.checks import (
+    UnsupportedQuantization,
+    check_groups,
+    check_tensor,
+    config_int,
+    group_count,
+    layer_words,
+)
 
 SUPPORTED = (
     "W4A16 / W8A16 (pack-quantized int weights, group or channel, symmetric or not), "
@@ -39,6 +47,26 @@ class CompressedWeightOnly(QuantScheme):
     def describe(self) -> str:
         groups = "channel" if self.group_size is None else f"group {self.group_size}"
         return f"compressed-tensors W{self.bits}A16 ({groups})"
+
+    def check_shard(self, t, k, n):
+        groups = group_count(k, self.group_size or -1)
+        per = 32 // self.bits
+        layer = layer_words("compressed-tensors", k, n, self.bits, self.group_size)
+        if "weight_packed" in t:
+            check_tensor(t, "weight_packed", "int32", (n, -(-k // per)), layer)
+            check_tensor(t, "weight_shape", "integer", 2, layer)
+            if [int(v) for v in t["weight_shape"].flatten().tolist()] != [n, k]:
+                raise ValueError(f"weight_shape is {t['weight_shape'].tolist()}; {layer} needs [{n}, {k}]")
+        else:  # 8-bit weights stored unpacked
+            check_tensor(t, "weight", "int8", (n, k), layer)
+        check_tensor(t, "weight_scale", "float", (n, groups), layer)
+        if "weight_zero_point" in t:
+            zp = t["weight_zero_point"]
+            packed = zp.dtype == torch.int32 and zp.shape[0] < n
+            check_tensor(t, "weight_zero_point", "integer", (-(-n // per) if packed else n, groups), layer)
+        if "weight_g_idx" in t:
+            check_tensor(t, "weight_g_idx", "integer", (k,), layer)
+            check_groups(t["weight_g_idx"], "weight_g_idx", groups, layer)
 
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         offset = 1 << (self.bits - 1)
@@ -94,6 +122,14 @@ class CompressedW8A8(QuantScheme):
         if self.static_input:  # no data to calibrate on: a scale for inputs of magnitude up to ~8
             out["input_scale"] = torch.tensor([8.0 / (127.0 if self.kind == "int8" else 448.0)], device=q.device)
         return out
+
+    def check_shard(self, t, k, n):
+        layer = f"a compressed-tensors W8A8 {self.kind} layer of {k} inputs and {n} outputs"
+        check_tensor(t, "weight", "int8" if self.kind == "int8" else "float8_e4m3fn", (n, k), layer)
+        scale = t.get("weight_scale")
+        check_tensor(t, "weight_scale", "float", 1 if scale is not None and scale.numel() == 1 else n, layer)
+        if self.static_input:
+            check_tensor(t, "input_scale", "float", 1, layer)
 
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import ScaledLinear
@@ -158,7 +194,10 @@ def from_config(qc: dict) -> QuantScheme:
     if a is None:
         if kind == "int" and bits in (4, 8) and strategy in ("group", "channel"):
             if fmt == "pack-quantized" or (bits == 8 and fmt in ("int-quantized", "naive-quantized")):
-                return CompressedWeightOnly(bits, int(w["group_size"]) if strategy == "group" else None)
+                group_size = config_int(w, "group_size", default=0) if strategy == "group" else None
+                if group_size is not None and group_size <= 0:
+                    raise _unsupported(found + f", group_size {w.get('group_size')}")
+                return CompressedWeightOnly(bits, group_size)
         raise _unsupported(found)
     dynamic = a.get("dynamic") is True
     act_ok = (dynamic and a.get("strategy") == "token") or (not dynamic and a.get("strategy") == "tensor")

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant import IntWeight, QuantScheme, UnsupportedQuantization, pack_int32, quantize_rtn, unpack_int32
+from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
+from engine.quant.checks import (
+    UnsupportedQuantization,
+    check_groups,
+    check_tensor,
+    config_int,
+    group_count,
+    layer_words,
+)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -36,19 +44,26 @@ class GPTQ(QuantScheme):
             f"gptq ({fmt} format, {self.bits}-bit, group {self.group_size}, sym={self.sym}, desc_act={self.desc_act})"
         )
 
+    def check_shard(self, t, k, n):
+        per, groups = 32 // self.bits, group_count(k, self.group_size)
+        layer = layer_words("GPTQ", k, n, self.bits, self.group_size)
+        if k % per or n % per:
+            raise ValueError(f"{layer} does not pack into words of {per} fields")
+        check_tensor(t, "qweight", "int32", (k // per, n), layer)
+        check_tensor(t, "qzeros", "int32", (groups, n // per), layer)
+        check_tensor(t, "scales", "float", (groups, n), layer)
+        if "g_idx" in t:
+            check_tensor(t, "g_idx", "integer", (k,), layer)
+            check_groups(t["g_idx"], "g_idx", groups, layer)
+
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         mask = (1 << self.bits) - 1
         q = unpack_int32(t["qweight"], self.bits, dim=0)
         zeros = unpack_int32(t["qzeros"], self.bits, dim=1)
         if not self.v2:
             zeros = (zeros + 1) & mask
-        k, n = q.shape
-        scales = t["scales"]
-        if zeros.shape != scales.shape or scales.shape[1] != n:
-            raise ValueError(
-                f"GPTQ tensors disagree: qweight unpacks to {tuple(q.shape)}, qzeros to "
-                f"{tuple(zeros.shape)}, scales are {tuple(scales.shape)}"
-            )
+        k = q.shape[0]
+        scales = t["scales"]  # check_shard has matched the shapes
         group_size = k if self.group_size == -1 else self.group_size
         g_idx = t.get("g_idx")
         if g_idx is not None:
@@ -83,8 +98,8 @@ def pack(weight: IntWeight, v2: bool = False) -> dict[str, torch.Tensor]:
 
 
 def from_config(qc: dict) -> GPTQ:
-    bits = int(qc.get("bits", 4))
-    group_size = int(qc.get("group_size", -1))
+    bits = config_int(qc, "bits", default=4)
+    group_size = config_int(qc, "group_size", default=-1)
     fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
     if bits not in BITS or group_size not in GROUP_SIZES or fmt not in FORMATS:
         raise UnsupportedQuantization(
