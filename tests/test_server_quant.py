@@ -69,3 +69,51 @@ def test_server_refuses_an_unsupported_quantization_at_start(default_model_dir, 
     lines = [line for line in (done.stdout + done.stderr).splitlines() if "bits=3" in line]
     assert lines and "supported: bits 4/8" in lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+# Checkpoint recipe (written from the default model by bench/quant_checkpoints.py) or a --quantization at load, and
+# the scheme the start-up log names.
+SERVED = {
+    "awq-w4g128": ("awq (gemm layout, 4-bit, group 128)", []),
+    "ct-w4a16-g128": ("compressed-tensors W4A16 (group 128)", []),
+    "ct-w8a16-channel": ("compressed-tensors W8A16 (channel)", []),
+    "ct-w8a8-int8": ("compressed-tensors W8A8 int8 (dynamic per-token activations)", []),
+    "ct-w8a8-fp8-static": ("compressed-tensors W8A8 fp8 (static activations)", []),
+    "fp8 at load": ("fp8 (E4M3 per-channel weights made at load", ["--quantization", "fp8"]),
+    "int8 at load": ("int8 (weight-only, per-channel, made at load)", ["-q", "int8"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SERVED))
+def test_server_serves_every_scheme_through_the_openai_sdk(case, default_model_dir, tmp_path):
+    """Each of the other checkpoint schemes and both load-time ones: `pagoda serve` names the scheme at start and
+    answers the chat question, streamed and not, with the greedy tokens the offline engine gives on the same
+    checkpoint (whose agreement with transformers the checkpoint tests check)."""
+    from openai import OpenAI
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    describes, flags = SERVED[case]
+    path = Path(default_model_dir)
+    if case in quant_checkpoints.RECIPES:
+        path = cache_dir() / "quant-checkpoints" / path.name / case
+        if not (path / "model.safetensors").is_file():
+            quant_checkpoints.write(default_model_dir, path, quant_checkpoints.RECIPES[case])
+    quantization = flags[1] if flags else None
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=512, quantization=quantization)
+    expected = llm.chat([QUESTION], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    del llm
+    server = start_server(tmp_path, "--model", str(path), "--max-model-len", "512", *flags)
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0.0)
+        assert reply.choices[0].message.content == expected and expected.strip()
+        stream = client.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=12, temperature=0.0, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+        assert f"quantization: {describes}" in server.log()
+    finally:
+        assert server.stop() == 0
