@@ -266,6 +266,33 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(qu
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # dequantized on CPU
 
 
+def test_gptq_checkpoint_with_a_quantized_lm_head_matches_transformers(tiny_model_dir, tmp_path):
+    """GPTQModel quantizes the LM head too when asked (`lm_head: true`, lm_head.qweight / qzeros / scales / g_idx
+    beside the layers'): pagoda takes it like any other quantized linear, and its greedy tokens are transformers'
+    on the dequantized weights, the head's included."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_greedy_equality import hf_greedy, pagoda_greedy
+
+    qdir = write(tiny_model_dir("llama"), tmp_path / "q", dataclasses.replace(RECIPES["gptq-w4g128"], group_size=32))
+    tensors = load_file(qdir / "model.safetensors")
+    head = quantize_rtn(tensors.pop("lm_head.weight").float(), 4, 32)
+    head = dataclasses.replace(head, scales=head.scales.half())  # as GPTQ stores them
+    tensors |= {f"lm_head.{k}": v for k, v in gptq.pack(head).items()}
+    save_file(tensors, qdir / "model.safetensors")
+    reference = load_file(qdir / "reference" / "model.safetensors")
+    reference["lm_head.weight"] = head.dequantize().t().contiguous()
+    save_file(reference, qdir / "reference" / "model.safetensors")
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"]["lm_head"] = True
+    (qdir / "config.json").write_text(json.dumps(config))
+
+    expected = hf_greedy(qdir / "reference", PROMPTS, 16)
+    got, llm = pagoda_greedy(qdir, PROMPTS, 16, {}, alone=False)
+    assert got == expected
+    assert torch.equal(llm.engine.runner.model.lm_head.weight, reference["lm_head.weight"])  # dequantized on CPU
+
+
 @pytest.mark.parametrize("name", ["ct-w8a8-int8", "ct-w8a8-fp8", "ct-w8a8-int8-static", "ct-w8a8-fp8-static"])
 def test_w8a8_matches_transformers_rounding_inputs_the_same_way(quantized_dirs, name):
     """pagoda's W8A8 logits are transformers' on the dequantized weights with every linear's input rounded to
