@@ -656,6 +656,34 @@ def test_weight_only_kernel_decode_tiles_at_llama_8b_depths(k, n_full):
     assert (out.cpu().float() - part).norm() / part.norm() < 2e-3, gemv
 
 
+@pytest.mark.parametrize("table", ["MID_TABLE", "MID_PLAIN_TABLE", "GEMV_TABLE"])
+def test_every_table_tile_matches_the_reference_at_its_shape(table):
+    """Every tile the GPU takes from the tables, at the table's K and groups (W4 g128, W8 per channel) and rows (16
+    or 64 for the decode tl.dot kernel, one for the GEMV), against the dequantized reference: MID_TABLE's reading
+    the fragment-layout copy a fragment tile reads, MID_PLAIN_TABLE's (which stand in for them without copies),
+    GEMV_TABLE's. N is cut to one slice of the tile's width: every slice does the same work, K split as listed."""
+    pytest.importorskip("triton")
+    from engine.kernels import quant_tiles
+    from engine.kernels.quant_gemm import fragment_pack, weight_only_matmul
+
+    for key, tiles in getattr(quant_tiles, table).items():
+        bits, k = key[:2]
+        m = key[3] if len(key) == 4 else 1
+        n = tiles.block_n
+        g = torch.Generator().manual_seed(k + n + m)
+        w = quantize_rtn(torch.randn(n, k, generator=g), bits, 128 if bits == 4 else -1, symmetric=bits == 8)
+        x = torch.randn(m, k, generator=g).half()
+        ref = x.float() @ w.dequantize().half().float()
+        qweight = pack_int32(w.q, bits, dim=0).to(DEV)
+        fragment = getattr(tiles, "fragment", 0)
+        copies = {(fragment, tiles.trans): fragment_pack(qweight, fragment, tiles.trans)} if fragment else {}
+        counters = torch.zeros(n // 16, dtype=torch.int32, device=DEV)
+        rest = (w.scales.half().to(DEV), w.zeros.half().to(DEV), bits, w.group_size)
+        out = weight_only_matmul(x.to(DEV), qweight, *rest, config=tiles, counters=counters, fragments=copies)
+        assert (out.cpu().float() - ref).norm() / ref.norm() < 2e-3, (key, tiles)
+        assert not counters.any()
+
+
 def test_split_k_covers_decode_batches():
     from engine.kernels.quant_gemm import gemv_tiles, mid_rule, mid_tiles, tiles
     from engine.kernels.quant_tiles import MID_TABLE
