@@ -223,14 +223,11 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def shard_sizes(self, name: str) -> list[int]:
-        """The outputs of each checkpoint shard (shard_names' order) that fills this model's linear `name`."""
+        """The outputs of each checkpoint shard (shard_names' order) that fills this model's fused linear `name`."""
         cfg = self.config
-        kind = name.rpartition(".")[2]
-        if kind == "qkv_proj":
+        if name.endswith("qkv_proj"):
             return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        if kind == "gate_up_proj":
-            return [cfg.intermediate_size, cfg.intermediate_size]
-        return [self.get_submodule(name).out_features]
+        return [cfg.intermediate_size, cfg.intermediate_size]
 
 
 def _copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:

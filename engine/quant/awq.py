@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
-from engine.quant.checks import UnsupportedQuantization, check_tensor, config_int, group_count, layer_words
+from engine.quant.checks import Shard, UnsupportedQuantization, config_int
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column AWQ_ORDER[i]
 _COLUMN_FIELD = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in field _COLUMN_FIELD[c]
@@ -45,13 +45,11 @@ class AWQ(QuantScheme):
         return f"awq (gemm layout, 4-bit, group {self.group_size})"
 
     def check_shard(self, t, k, n):
-        groups = group_count(k, self.group_size)
-        layer = layer_words("AWQ", k, n, 4, self.group_size)
-        if n % 8:
-            raise ValueError(f"{layer} does not pack into words of 8 fields")
-        check_tensor(t, "qweight", "int32", (k, n // 8), layer)
-        check_tensor(t, "qzeros", "int32", (groups, n // 8), layer)
-        check_tensor(t, "scales", "float", (groups, n), layer)
+        shard = Shard("AWQ", t, k, n, 4, self.group_size)
+        shard.expect_packing(8, n)
+        shard.expect("qweight", "int32", (k, n // 8))
+        shard.expect("qzeros", "int32", (shard.groups, n // 8))
+        shard.expect("scales", "float", (shard.groups, n))
 
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         q = _unpack_columns(t["qweight"])

@@ -6,6 +6,7 @@ before anything is unpacked, naming the tensor as it is and what the layer needs
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,7 @@ def config_int(qc: dict, *keys: str, default: int) -> int:
     return default
 
 
-# Tensor kinds a scheme's checkpoint tensors come in, as check_tensor names them.
+# Tensor kinds a scheme's checkpoint tensors come in, as Shard.expect names them.
 _KINDS: dict[str, Callable[[torch.Tensor], bool]] = {
     "int32": lambda t: t.dtype == torch.int32,  # packed words
     "integer": lambda t: not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
@@ -40,35 +41,54 @@ _KINDS: dict[str, Callable[[torch.Tensor], bool]] = {
 }
 
 
-def check_tensor(t: dict[str, torch.Tensor], name: str, kind: str, shape: tuple[int, ...] | int, layer: str) -> None:
-    """Raise ValueError unless t[name] is a tensor of `kind` (a _KINDS key) and `shape` (an int: that many
-    elements, in any shape), saying what it is and what `layer` (e.g. "a 4-bit GPTQ layer of ...") needs."""
-    tensor = t.get(name)
-    if tensor is None:
-        raise ValueError(f"{name} is missing; {layer} needs it")
-    fits = tensor.numel() == shape if isinstance(shape, int) else tuple(tensor.shape) == shape
-    if not fits or not _KINDS[kind](tensor):
-        want = f"{shape} {kind} values" if isinstance(shape, int) else f"{kind} {list(shape)}"
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        raise ValueError(f"{name} is {dtype} {list(tensor.shape)}; {layer} needs {want}")
+@dataclass(frozen=True)
+class Shard:
+    """One shard's checkpoint tensors `t` and what config.json makes of it: k inputs and n outputs, `bits`-bit values
+    (None: W8A8, whose messages name no bits or groups) in groups of `group_size` inputs (-1 or None: one group, per
+    channel). Its checks raise ValueError naming the tensor as it is and what the shard needs."""
 
+    fmt: str
+    t: dict[str, torch.Tensor]
+    k: int
+    n: int
+    bits: int | None = None
+    group_size: int | None = None
 
-def check_groups(g_idx: torch.Tensor, name: str, groups: int, layer: str) -> None:
-    """Raise ValueError unless every input row's group in g_idx is one of the layer's `groups`."""
-    low, high = int(g_idx.min()), int(g_idx.max())
-    if low < 0 or high >= groups:
-        raise ValueError(f"{name} names group {low if low < 0 else high}; {layer} has groups 0 to {groups - 1}")
+    @property
+    def groups(self) -> int:
+        """Groups of group_size inputs that k inputs make, a shorter last group counted."""
+        return 1 if self.group_size in (-1, None) else -(-self.k // self.group_size)
 
+    def __str__(self) -> str:
+        """As the messages name it: "a GPTQ layer of 64 inputs and 32 outputs (4-bit, 2 groups of 32)"."""
+        article = "an" if self.fmt[0] in "AEIOU" else "a"
+        words = f"{article} {self.fmt} layer of {self.k} inputs and {self.n} outputs"
+        if self.bits is None:
+            return words
+        plural = "s" if self.groups > 1 else ""
+        spread = "per channel" if self.group_size in (-1, None) else f"{self.groups} group{plural} of {self.group_size}"
+        return f"{words} ({self.bits}-bit, {spread})"
 
-def group_count(k: int, group_size: int) -> int:
-    """Groups of `group_size` inputs (-1: one group) that k inputs make, a shorter last group counted."""
-    return 1 if group_size == -1 else -(-k // group_size)
+    def expect(self, name: str, kind: str, shape: tuple[int, ...] | int) -> None:
+        """t[name] is a tensor of `kind` (a _KINDS key) and `shape` (an int: that many elements, in any shape)."""
+        tensor = self.t.get(name)
+        if tensor is None:
+            raise ValueError(f"{name} is missing; {self} needs it")
+        fits = tensor.numel() == shape if isinstance(shape, int) else tuple(tensor.shape) == shape
+        if not fits or not _KINDS[kind](tensor):
+            want = f"{shape} {kind} values" if isinstance(shape, int) else f"{kind} {list(shape)}"
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise ValueError(f"{name} is {dtype} {list(tensor.shape)}; {self} needs {want}")
 
+    def expect_groups(self, name: str) -> None:
+        """t[name], an act order, gives each of the k inputs one of the shard's groups."""
+        self.expect(name, "integer", (self.k,))
+        low, high = int(self.t[name].min()), int(self.t[name].max())
+        if low < 0 or high >= self.groups:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} names group {bad}; {self} has groups 0 to {self.groups - 1}")
 
-def layer_words(fmt: str, k: int, n: int, bits: int, group_size: int | None) -> str:
-    """A shard as check_tensor's messages name it: "a GPTQ layer of 64 inputs and 32 outputs (4-bit, 2 groups
-    of 32)"; group_size -1 or None: per channel."""
-    groups = group_count(k, -1 if group_size is None else group_size)
-    plural = "s" if groups > 1 else ""
-    spread = "per channel" if group_size in (-1, None) else f"{groups} group{plural} of {group_size}"
-    return f"a {fmt} layer of {k} inputs and {n} outputs ({bits}-bit, {spread})"
+    def expect_packing(self, per_word: int, *sizes: int) -> None:
+        """The dimensions `sizes` pack into words of per_word fields."""
+        if any(size % per_word for size in sizes):
+            raise ValueError(f"{self} does not pack into words of {per_word} fields")

@@ -22,14 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
-from engine.quant.checks import (
-    UnsupportedQuantization,
-    check_groups,
-    check_tensor,
-    config_int,
-    group_count,
-    layer_words,
-)
+from engine.quant.checks import Shard, UnsupportedQuantization, config_int
 
 SUPPORTED = (
     "W4A16 / W8A16 (pack-quantized int weights, group or channel, symmetric or not), "
@@ -49,24 +42,20 @@ class CompressedWeightOnly(QuantScheme):
         return f"compressed-tensors W{self.bits}A16 ({groups})"
 
     def check_shard(self, t, k, n):
-        groups = group_count(k, self.group_size or -1)
-        per = 32 // self.bits
-        layer = layer_words("compressed-tensors", k, n, self.bits, self.group_size)
+        shard, per = Shard("compressed-tensors", t, k, n, self.bits, self.group_size), 32 // self.bits
         if "weight_packed" in t:
-            check_tensor(t, "weight_packed", "int32", (n, -(-k // per)), layer)
-            check_tensor(t, "weight_shape", "integer", 2, layer)
+            shard.expect("weight_packed", "int32", (n, -(-k // per)))
+            shard.expect("weight_shape", "integer", 2)
             if [int(v) for v in t["weight_shape"].flatten().tolist()] != [n, k]:
-                raise ValueError(f"weight_shape is {t['weight_shape'].tolist()}; {layer} needs [{n}, {k}]")
+                raise ValueError(f"weight_shape is {t['weight_shape'].tolist()}; {shard} needs [{n}, {k}]")
         else:  # 8-bit weights stored unpacked
-            check_tensor(t, "weight", "int8", (n, k), layer)
-        check_tensor(t, "weight_scale", "float", (n, groups), layer)
+            shard.expect("weight", "int8", (n, k))
+        shard.expect("weight_scale", "float", (n, shard.groups))
         if "weight_zero_point" in t:
-            zp = t["weight_zero_point"]
-            packed = zp.dtype == torch.int32 and zp.shape[0] < n
-            check_tensor(t, "weight_zero_point", "integer", (-(-n // per) if packed else n, groups), layer)
+            rows = -(-n // per) if _packed_zero_points(t["weight_zero_point"], n, self.bits) else n
+            shard.expect("weight_zero_point", "integer", (rows, shard.groups))
         if "weight_g_idx" in t:
-            check_tensor(t, "weight_g_idx", "integer", (k,), layer)
-            check_groups(t["weight_g_idx"], "weight_g_idx", groups, layer)
+            shard.expect_groups("weight_g_idx")
 
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         offset = 1 << (self.bits - 1)
@@ -80,7 +69,7 @@ class CompressedWeightOnly(QuantScheme):
         zp = t.get("weight_zero_point")
         if zp is None:
             zeros = torch.full_like(scales, offset, dtype=torch.int32)
-        elif zp.dtype == torch.int32 and zp.shape[0] * (32 // self.bits) >= n > zp.shape[0]:
+        elif _packed_zero_points(zp, n, self.bits):
             zeros = unpack_int32(zp, self.bits, dim=0)[:n]  # packed: already offset, like the weights
         else:
             zeros = zp.reshape(n, -1).to(torch.int32) + offset
@@ -124,12 +113,12 @@ class CompressedW8A8(QuantScheme):
         return out
 
     def check_shard(self, t, k, n):
-        layer = f"a compressed-tensors W8A8 {self.kind} layer of {k} inputs and {n} outputs"
-        check_tensor(t, "weight", "int8" if self.kind == "int8" else "float8_e4m3fn", (n, k), layer)
-        scale = t.get("weight_scale")
-        check_tensor(t, "weight_scale", "float", 1 if scale is not None and scale.numel() == 1 else n, layer)
+        shard = Shard(f"compressed-tensors W8A8 {self.kind}", t, k, n)
+        shard.expect("weight", "int8" if self.kind == "int8" else "float8_e4m3fn", (n, k))
+        per_tensor = "weight_scale" in t and t["weight_scale"].numel() == 1
+        shard.expect("weight_scale", "float", 1 if per_tensor else n)
         if self.static_input:
-            check_tensor(t, "input_scale", "float", 1, layer)
+            shard.expect("input_scale", "float", 1)
 
     def make_linear(self, shards, bias, dtype):
         from engine.layers.linear import ScaledLinear
@@ -146,6 +135,12 @@ class CompressedW8A8(QuantScheme):
             # The shards read the same input; the largest scale clips none of them.
             input_scale = torch.stack([s["input_scale"].float().reshape(()) for s in shards]).max()
         return ScaledLinear(torch.cat(weights), torch.cat(scales), bias, dtype, input_scale)
+
+
+def _packed_zero_points(zp: torch.Tensor, n: int, bits: int) -> bool:
+    """Whether an asymmetric layer's weight_zero_point holds its n outputs' zero points packed into int32 words
+    (W4: [N * bits / 32, G]) rather than one a row ([N, G])."""
+    return zp.dtype == torch.int32 and zp.shape[0] * (32 // bits) >= n > zp.shape[0]
 
 
 def pack(weight: IntWeight, symmetric: bool = True) -> dict[str, torch.Tensor]:

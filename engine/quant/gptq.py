@@ -17,14 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.quant import IntWeight, QuantScheme, pack_int32, quantize_rtn, unpack_int32
-from engine.quant.checks import (
-    UnsupportedQuantization,
-    check_groups,
-    check_tensor,
-    config_int,
-    group_count,
-    layer_words,
-)
+from engine.quant.checks import Shard, UnsupportedQuantization, config_int
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -45,16 +38,13 @@ class GPTQ(QuantScheme):
         )
 
     def check_shard(self, t, k, n):
-        per, groups = 32 // self.bits, group_count(k, self.group_size)
-        layer = layer_words("GPTQ", k, n, self.bits, self.group_size)
-        if k % per or n % per:
-            raise ValueError(f"{layer} does not pack into words of {per} fields")
-        check_tensor(t, "qweight", "int32", (k // per, n), layer)
-        check_tensor(t, "qzeros", "int32", (groups, n // per), layer)
-        check_tensor(t, "scales", "float", (groups, n), layer)
+        shard, per = Shard("GPTQ", t, k, n, self.bits, self.group_size), 32 // self.bits
+        shard.expect_packing(per, k, n)
+        shard.expect("qweight", "int32", (k // per, n))
+        shard.expect("qzeros", "int32", (shard.groups, n // per))
+        shard.expect("scales", "float", (shard.groups, n))
         if "g_idx" in t:
-            check_tensor(t, "g_idx", "integer", (k,), layer)
-            check_groups(t["g_idx"], "g_idx", groups, layer)
+            shard.expect_groups("g_idx")
 
     def unpack(self, t: dict[str, torch.Tensor]) -> IntWeight:
         mask = (1 << self.bits) - 1
