@@ -53,7 +53,9 @@ def compile_here() -> dict[str, dict[str, str]]:
                 sig[p] = "fp32" if p == "qk_scale" else "i32"
             if sig[p].startswith("*") or p.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]  # what triton specializes at launch
-        values = dict(constexprs, k_scale_ptr=None, v_scale_ptr=None)
+        # The constexprs a wrapper leaves out (QUERIES, the fp8 ones) take their defaults, as at a launch.
+        defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values() if p.default is not p.empty}
+        values = dict(defaults, **constexprs, k_scale_ptr=None, v_scale_ptr=None)
         cx = {(params.index(k),): v for k, v in values.items() if k in params}
         src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
