@@ -40,7 +40,8 @@ def compile_here() -> dict[str, dict[str, str]]:
     result = {}
     for name, (module, fn_name, constexprs) in KERNELS.items():
         fn = getattr(importlib.import_module(module), fn_name)
-        params = list(inspect.signature(fn.fn).parameters)
+        signature = inspect.signature(fn.fn).parameters
+        params = list(signature)
         sig, attrs = {}, {}
         for i, p in enumerate(params):
             if p.isupper() or p in ("k_scale_ptr", "v_scale_ptr"):
@@ -54,7 +55,7 @@ def compile_here() -> dict[str, dict[str, str]]:
             if sig[p].startswith("*") or p.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]  # what triton specializes at launch
         # The constexprs a wrapper leaves out (QUERIES, the fp8 ones) take their defaults, as at a launch.
-        defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values() if p.default is not p.empty}
+        defaults = {name: p.default for name, p in signature.items() if p.default is not p.empty}
         values = dict(defaults, **constexprs, k_scale_ptr=None, v_scale_ptr=None)
         cx = {(params.index(k),): v for k, v in values.items() if k in params}
         src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
