@@ -476,7 +476,7 @@ def compile_w8a8(tiles, int8: bool, fused: bool, arch: int = 90):
                  "out_ptr": "*bf16", "part_ptr": part, "count_ptr": "*i32"}  # fmt: skip
     signature |= dict.fromkeys(("M", "N", "K", "sam", "span", "SPLIT"), "i32")
     constexprs = {"QMAX": 127.0 if int8 else 448.0, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-                  "BLOCK_K": tiles.block_k, "INT8": int8, "FUSED": fused, "EVEN_K": True}  # fmt: skip
+                  "BLOCK_K": tiles.block_k, "INT8": int8, "FUSED": fused, "EVEN_K": True, "PDL": 0}  # fmt: skip
     signature |= dict.fromkeys(constexprs, "constexpr")
     names = list(signature)
     divisible = [names.index(n) for n in signature if n.endswith("_ptr") or n in ("N", "K", "sam", "span")]
@@ -505,7 +505,7 @@ def compile_gemv(bits: int, tiles, k: int, n: int, group: int, m: int = 1, arch:
         "BITS": bits, "GROUP": group, "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": tiles.block_n,
         "BLOCK_KW": tiles.block_kw, "SCALES": gemv_scales(bits, k, group, span, tiles.block_kw),
         "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages,
-        "EVEN": n % tiles.block_n == 0 and kw % tiles.block_kw == 0, "HAS_PERM": False,
+        "EVEN": n % tiles.block_n == 0 and kw % tiles.block_kw == 0, "HAS_PERM": False, "PDL": 0,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= dict.fromkeys(constexprs, "constexpr")

@@ -60,7 +60,7 @@ def compile_mid(
     constexprs = {name: 1 for name, v in ints.items() if v == 1} | {
         "BITS": bits, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "SCALE_AT_END": group % span == 0, "TRANS": tiles.trans, "HAS_PERM": False, "PRECISION": "tf32",
-        "MASKED": tiles.masked, "FRAGMENT": tiles.fragment, "PACKED": tiles.packed,
+        "MASKED": tiles.masked, "FRAGMENT": tiles.fragment, "PACKED": tiles.packed, "PDL": 0,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= {name: "constexpr" for name in constexprs if name not in signature}

@@ -49,11 +49,12 @@ def compile_store(module, cache: str) -> dict[str, str]:
             sig[p] = POINTERS.get(p, cache if p in ("kc_ptr", "vc_ptr") else scales)
         else:
             sig[p] = "fp32" if p == "eps" else "i32"
-    constexprs = dict(CONSTEXPRS, FP8_MAX=448.0 if fp8 else 0.0)
+    constexprs = dict(CONSTEXPRS, FP8_MAX=448.0 if fp8 else 0.0, PDL=0)
     if not fp8:  # prepare_and_store passes None (a constexpr) for the scales of a 16-bit cache
         sig["ks_ptr"] = sig["vs_ptr"] = "constexpr"
         constexprs.update(ks_ptr=None, vs_ptr=None)
-    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    cx = {(params.index(k),): v for k, v in constexprs.items() if k in params}  # an older tree may lack PDL
+    src = ASTSource(fn=fn, signature=sig, constexprs=cx)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
     return {stage: kernel.asm[stage] for stage in ("ttir", "ttgir", "llir", "ptx")}
 

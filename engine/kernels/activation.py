@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.quant_tiles import ROW_TILES
 from engine.kernels.w8a8 import _quantize, _row_scale, qmax, quantize_row
 
@@ -33,7 +34,8 @@ def _silu_mul(row, cols, mask, x_s1, inter, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl.enter(PDL)
     # Grid: (tokens, column blocks of the intermediate size).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -47,11 +49,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, x_s1, inter, BLOCK: tl.constexpr)
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, scale_ptr, x_s0, x_s1, inter,
     QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """One row's silu(gate) * up quantized as quantize_rows quantizes the rounded product. WHOLE_ROW (BLOCK
     covers the row): the row in registers, read once. Else in BLOCK-column steps, two passes: the row's
     absolute maximum, then the products computed again (the same instructions, so the same values; the row
     is in L2 by then) and stored quantized at the row's scale."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * x_s0
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the unquantized product's dtype: gate_up's
@@ -109,6 +113,7 @@ def silu_and_mul(
             _silu_and_mul_quant_kernel[(x.shape[0],)](
                 x, q, scales, x.stride(0), x.stride(1), inter, QMAX=qmax(quant), INT8=quant == torch.int8,
                 BLOCK=block, WHOLE_ROW=block == whole, num_warps=warps,
+                **pdl.launch(x.device, x.shape[0]),
             )  # fmt: skip
         return q, scales
     shape = (*gate_up.shape[:-1], inter)
@@ -118,6 +123,6 @@ def silu_and_mul(
     if x.shape[0] > 0:
         block = min(_BLOCK, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
-            x, out, x.stride(0), x.stride(1), inter, BLOCK=block, num_warps=4
+            x, out, x.stride(0), x.stride(1), inter, BLOCK=block, num_warps=4, **pdl.launch(x.device, x.shape[0])
         )
     return out

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.attention import (
     _LOG2E,
     _attend_keys,
@@ -64,7 +65,9 @@ def _decode_kernel(
     PRESCALE: tl.constexpr = 1.0,
     UNBIAS: tl.constexpr = 1.0,
     WIDEN_ASM: tl.constexpr = "",
+    PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,7 +169,9 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -334,6 +339,7 @@ def paged_decode(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **widen,
+        **pdl.launch(q.device, q.shape[0]),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(rows, heads)](
@@ -347,5 +353,6 @@ def paged_decode(
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d,
             num_warps=4,
+            **pdl.launch(q.device, q.shape[0]),
         )
     return out

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.w8a8 import qmax, quantize_row
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -42,7 +43,9 @@ def _rms_norm_kernel(
     QMAX: tl.constexpr,
     INT8: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)
     # One program per row; rows are addressed by two indices so that a strided
     # [tokens, heads, head_dim] view (q/k norm on a slice of the fused qkv) needs no copy.
     i0 = tl.program_id(0).to(tl.int64)
@@ -146,6 +149,7 @@ def rms_norm(
             NORM_DTYPE=_TL_DTYPES[norm_dtype],
             # Enough warps that a thread holds at most ~16 floats of the row.
             num_warps=max(1, min(16, block // 512)),
+            **pdl.launch(x.device, x.shape[0] if x.dim() > 1 else 1),
         )
     if quant is not None:
         out = (out, scales)

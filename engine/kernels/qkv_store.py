@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kv_fp8 import is_fp8
 
 
@@ -125,7 +126,9 @@ def _qkv_store_kernel(
     BLOCK_HALF: tl.constexpr,
     FP8_MAX: tl.constexpr = 0.0,
     WRITE_BACK: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_HALF)
@@ -286,4 +289,5 @@ def prepare_and_store(
         # Without this the compiler narrows the float32 steps to native bf16/fp16 ops and fuses
         # a product with the sum into one fma, skipping the product's rounding.
         enable_fp_fusion=False,
+        **pdl.launch(q.device, t),
     )

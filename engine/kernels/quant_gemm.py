@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.quant_tiles import (
     GEMV_MAX_M,
     GEMV_TABLE,
@@ -77,8 +78,10 @@ def _weight_only_kernel(
     M, N, K, sxm, sxk,
     BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """Prompt-sized M: program (m, n) computes a BLOCK_M x BLOCK_N tile of the output over all of K."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -349,6 +352,7 @@ def _mid_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_AT_END: tl.constexpr, TRANS: tl.constexpr, HAS_PERM: tl.constexpr,
     PRECISION: tl.constexpr, MASKED: tl.constexpr, FRAGMENT: tl.constexpr, PACKED: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M rows (x's columns read through perm when HAS_PERM); program (n, s)
     covers outputs n*BLOCK_N.. over inputs s*span.. (span a multiple of BLOCK_K, whose steps each lie in one
@@ -359,6 +363,7 @@ def _mid_kernel(
     does (_field: an AND and an FMA a field where shifting it out costs a shift, an extract, an OR and
     a subtraction). FRAGMENT: a 4-bit weight in the fragment layout ([N, K / 8], row stride sqn), unpacked
     masked straight into tl.dot's operand layout (_fragment_tile; TRANS: _fragment_rows)."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -515,6 +520,7 @@ def _gemv_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
     EVEN: tl.constexpr, HAS_PERM: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
@@ -529,6 +535,7 @@ def _gemv_kernel(
     row and step (SCALES 1: the step lies in one group; 2: each word row its own group), or once after the
     loop (SCALES 0: the program's whole span lies in one group, as per-channel weights). One accumulator per
     row (acc0..acc3): rows past M re-read row M - 1 (no masking) and are never stored."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -721,6 +728,7 @@ def weight_only_matmul(
         x, qweight, scales, zeros, out, m, n, k, x.stride(0), x.stride(1),
         BITS=bits, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl.launch(x.device, m),
     )  # fmt: skip
     return out
 
@@ -806,6 +814,7 @@ def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters
         SCALE_AT_END=group_size % span == 0, TRANS=config.trans, HAS_PERM=perm is not None,
         PRECISION=_precision(x), MASKED=config.masked, FRAGMENT=config.fragment, PACKED=config.packed,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl.launch(x.device, m),
     )  # fmt: skip
     return out
 
@@ -879,5 +888,6 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
         SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
         STAGES=config.num_stages, EVEN=n % config.block_n == 0 and kw % config.block_kw == 0,
         HAS_PERM=perm is not None, num_warps=config.num_warps,
+        **pdl.launch(x.device, m),
     )  # fmt: skip
     return out

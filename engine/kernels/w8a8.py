@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.quant_gemm import _num_sms, _split, _split_buffers, _split_k_reduce
 from engine.kernels.quant_tiles import ROW_TILES, W8A8_TABLE, RowTiles, W8A8Tiles
 
@@ -70,7 +71,9 @@ def quantize_row(v, QMAX: tl.constexpr, INT8: tl.constexpr):
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, K, sxm,
     QMAX: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * sxm
@@ -111,6 +114,7 @@ def quantize_rows(
         QMAX=qmax(qdtype), INT8=qdtype == torch.int8,
         STATIC=static_scale is not None, BLOCK=min(config.block, triton.next_power_of_2(k)),
         num_warps=config.num_warps,
+        **pdl.launch(x.device, m),
     )  # fmt: skip
     return q, scales
 
@@ -127,11 +131,13 @@ def _scaled_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sam, span, SPLIT,
     QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INT8: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """out = (a @ b.T) * a_scale * b_scale for a [M, K] (rows sam apart) and b [N, K], K contiguous; b int8 or
     fp8, a the same (a_scale its row scales) or, FUSED, 16/32-bit floats quantized here per row and BLOCK_K
     step (as_ptr unused). Program (n, s, m) covers outputs n*BLOCK_N.. of rows m*BLOCK_M.. over inputs
     s*span.. (span a multiple of BLOCK_K); with SPLIT > 1 the grid has one row block (M <= BLOCK_M)."""
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -229,6 +235,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config: W8A8Tiles | None, counter
         QMAX=qmax(b.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         INT8=int8, FUSED=fused, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.launch(a.device, m),
     )  # fmt: skip
     return out
 

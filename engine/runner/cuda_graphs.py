@@ -140,6 +140,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, batch: int, pool) -> None:
+        from engine.kernels import pdl  # here, not at the top: Triton is there wherever graphs are
+
         model, backend = self.runner.model, self.runner.backend
         meta = self._meta(batch)
         rows = batch * self.queries
@@ -154,11 +156,13 @@ class DecodeGraphs:
 
         if self.query_lens is not None:
             self.inputs[3].fill_(1)  # the warm-up: one real token a sequence
-        forward()  # compile / autotune outside the capture
-        torch.cuda.synchronize(self.runner.device)
-        graph = torch.cuda.CUDAGraph()
-        with no_collection(), torch.cuda.graph(graph, pool=pool):
-            self.logits[batch] = forward()
+        # Both in pdl.chained: the warm-up compiles the kernel variants the capture launches.
+        with pdl.chained():
+            forward()  # compile / autotune outside the capture
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with no_collection(), torch.cuda.graph(graph, pool=pool):
+                self.logits[batch] = forward()
         self.graphs[batch] = graph
 
     @torch.inference_mode()

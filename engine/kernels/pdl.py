@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of engine/kernels, in small decode graphs.
+
+A decode step is some 300 short kernels back to back in one CUDA graph (about ten a layer); between two of
+them the GPU idles while the next is launched and its programs are placed on the multiprocessors. Launched
+with PDL (Hopper and later), a kernel may be placed while the one before it still runs. Each kernel here
+that is launched so first waits (griddepcontrol.wait) until the kernel before it has finished and its
+writes are visible, before any load or store of its own, and then lets the next kernel be placed
+(griddepcontrol.launch_dependents). So the order of memory accesses is the stream's, as without PDL; what
+it removes is the launch gap: the next kernel's programs are resident and waiting when this one ends. At
+most two kernels are in flight: the running one and the next, whose programs wait. A kernel launched
+without PDL (torch's, cuBLAS's) waits for the whole of the one before it, as always.
+
+Where: launches of at most RELEASE_MAX_ROWS rows inside `chained()`, which the decode graphs' warm-up and
+capture enter (engine/runner/cuda_graphs.py). At one to four rows a decode step is a chain of kernels of a
+few microseconds each, where the gap is a large part of each. Larger launches, eager steps and the prompt
+graphs keep the plain stream order (WRITEUP.md: with PDL there, at 16 rows the waiting programs took slots
+the running kernel needed, and W2 was 0.5% slower). The launch attribute is a compile option of Triton's,
+so a kernel launched both ways compiles twice; the decode graphs' warm-up compiles the PDL variants at
+start-up, and nothing else launches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+RELEASE_MAX_ROWS = 4
+
+_CHAINED: ContextVar[bool] = ContextVar("pdl_chained", default=False)
+
+
+@cache
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL: CUDA devices of compute capability 9.0 and later (never
+    the interpreter, whose tensors are on the CPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@contextlib.contextmanager
+def chained() -> Iterator[None]:
+    """Within: launches of at most RELEASE_MAX_ROWS rows on an `enabled` device use PDL."""
+    token = _CHAINED.set(True)
+    try:
+        yield
+    finally:
+        _CHAINED.reset(token)
+
+
+def launch(device: torch.device, rows: int) -> dict:
+    """The keyword arguments of a kernel launch of `rows` rows on `device`: the kernel's PDL constexpr and
+    Triton's launch_pdl (the launch attribute), both on within `chained` at most RELEASE_MAX_ROWS rows."""
+    on = _CHAINED.get() and rows <= RELEASE_MAX_ROWS and enabled(device)
+    return {"PDL": int(on), "launch_pdl": on}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait for the kernel before it, then release the next one."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
