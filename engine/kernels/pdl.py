@@ -15,8 +15,9 @@ capture enter (engine/runner/cuda_graphs.py). At one to four rows a decode step 
 few microseconds each, where the gap is a large part of each. Larger launches, eager steps and the prompt
 graphs keep the plain stream order (WRITEUP.md: with PDL there, at 16 rows the waiting programs took slots
 the running kernel needed, and W2 was 0.5% slower). The launch attribute is a compile option of Triton's,
-so a kernel launched both ways compiles twice; the decode graphs' warm-up compiles the PDL variants at
-start-up, and nothing else launches them.
+so a kernel launched both ways compiles twice: the small decode graphs warm up once outside `chained` (the
+plain variants, which an eager step of those rows launches) and once inside (the PDL ones, which only the
+captures launch), both at start-up.
 """
 
 from __future__ import annotations

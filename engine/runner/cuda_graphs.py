@@ -156,9 +156,12 @@ class DecodeGraphs:
 
         if self.query_lens is not None:
             self.inputs[3].fill_(1)  # the warm-up: one real token a sequence
-        # Both in pdl.chained: the warm-up compiles the kernel variants the capture launches.
+        forward()  # compile / autotune outside the capture: the variants an eager step of these rows launches
+        # The capture in pdl.chained; at rows it launches with PDL (pdl.RELEASE_MAX_ROWS) those are other
+        # variants, compiled by a second warm-up in the same scope.
         with pdl.chained():
-            forward()  # compile / autotune outside the capture
+            if rows <= pdl.RELEASE_MAX_ROWS:
+                forward()
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with no_collection(), torch.cuda.graph(graph, pool=pool):
