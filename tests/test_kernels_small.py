@@ -394,11 +394,11 @@ for int8 in (False, True):
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": q, **strides, "scale_ptr": "*fp32",
            "n_cols": "i32", "eps": "fp32"}
     norm = {"HAS_RESIDUAL": True, "BLOCK": 4096, "QUANT": True, "QMAX": qmax, "INT8": int8,
-            "NORM_DTYPE": tl.bfloat16}
+            "NORM_DTYPE": tl.bfloat16, "PDL": 0}
     print("norm", int8, compiled(_rms_norm_kernel, sig, norm, 8).split("REG:")[1].split()[:4])
     sig = {"x_ptr": "*bf16", "q_ptr": q, "scale_ptr": "*fp32", "x_s0": "i32", "x_s1": "i32", "inter": "i32"}
     for whole, block, warps in ((True, 16384, 16), (False, 2048, 4)):
-        silu = {"QMAX": qmax, "INT8": int8, "BLOCK": block, "WHOLE_ROW": whole}
+        silu = {"QMAX": qmax, "INT8": int8, "BLOCK": block, "WHOLE_ROW": whole, "PDL": 0}
         print("silu", int8, compiled(_silu_and_mul_quant_kernel, sig, silu, warps).split("REG:")[1].split()[:4])
 """
 
