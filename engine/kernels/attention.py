@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl
 from engine.kv_fp8 import is_fp8
 
 _LOG2E = 1.4426950408889634
@@ -337,9 +336,7 @@ def _prefill_kernel(
     UNBIAS: tl.constexpr = 1.0,
     WIDEN_ASM: tl.constexpr = "",
     TILE_MAP: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
 ):
-    pdl.enter(PDL)
     # Row r of the tile is query first_q + r // GROUP of head kvh * GROUP + r % GROUP.
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     if TILE_MAP:
@@ -625,6 +622,5 @@ def paged_prefill(
         PRECISION=_precision(q.dtype),
         KV_FP8=fp8,
         **launch,
-        **pdl.launch(q.device, q.shape[0]),
     )
     return out

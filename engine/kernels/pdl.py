@@ -11,7 +11,10 @@ most two kernels are in flight: the running one and the next, whose programs wai
 without PDL (torch's, cuBLAS's) waits for the whole of the one before it, as always.
 
 Where: launches of at most RELEASE_MAX_ROWS rows inside `chained()`, which the decode graphs' warm-up and
-capture enter (engine/runner/cuda_graphs.py). At one to four rows a decode step is a chain of kernels of a
+capture enter (engine/runner/cuda_graphs.py). The kernels a decode step launches take part (RMSNorm, the
+qkv store, decode attention and its reduce, SwiGLU, the GEMV, the decode tl.dot kernel, quantize_rows and
+the W8A8 GEMM); the prompt-only ones (prefill attention, prefill_fresh, the prompt weight-only kernel) never
+run in a decode graph and launch as they always did. At one to four rows a decode step is a chain of kernels of a
 few microseconds each, where the gap is a large part of each. Larger launches, eager steps and the prompt
 graphs keep the plain stream order (WRITEUP.md: with PDL there, at 16 rows the waiting programs took slots
 the running kernel needed, and W2 was 0.5% slower). The launch attribute is a compile option of Triton's,
@@ -53,11 +56,15 @@ def chained() -> Iterator[None]:
         _CHAINED.reset(token)
 
 
+_ON = {"PDL": 1, "launch_pdl": True}
+_OFF = {"PDL": 0, "launch_pdl": False}
+
+
 def launch(device: torch.device, rows: int) -> dict:
     """The keyword arguments of a kernel launch of `rows` rows on `device`: the kernel's PDL constexpr and
-    Triton's launch_pdl (the launch attribute), both on within `chained` at most RELEASE_MAX_ROWS rows."""
-    on = _CHAINED.get() and rows <= RELEASE_MAX_ROWS and enabled(device)
-    return {"PDL": int(on), "launch_pdl": on}
+    Triton's launch_pdl (the launch attribute), both on within `chained` at most RELEASE_MAX_ROWS rows (one of
+    two shared dicts, read-only: every launch of an eager step asks)."""
+    return _ON if _CHAINED.get() and rows <= RELEASE_MAX_ROWS and enabled(device) else _OFF
 
 
 @triton.jit

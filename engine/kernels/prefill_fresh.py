@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import pdl
 from engine.kernels.attention import _LOG2E, _precision
 
 
@@ -60,9 +59,7 @@ def _prefill_fresh_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl.enter(PDL)
     # Program (query tile, sequence, query head); the longest rows first, as in _prefill_kernel.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -183,6 +180,5 @@ def prefill_fresh(
         PRECISION=_precision(q.dtype),
         num_warps=4,
         num_stages=3,
-        **pdl.launch(q.device, t),
     )
     return out

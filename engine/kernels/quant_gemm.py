@@ -78,10 +78,8 @@ def _weight_only_kernel(
     M, N, K, sxm, sxk,
     BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """Prompt-sized M: program (m, n) computes a BLOCK_M x BLOCK_N tile of the output over all of K."""
-    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -728,7 +726,6 @@ def weight_only_matmul(
         x, qweight, scales, zeros, out, m, n, k, x.stride(0), x.stride(1),
         BITS=bits, GROUP=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         PRECISION=_precision(x), num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl.launch(x.device, m),
     )  # fmt: skip
     return out
 
