@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep quant-mid-tests fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep quant-mid-tests fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs pdl
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -135,6 +135,11 @@ for step in "$@"; do
                   --out $OUT/ab-decode-$side.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-240)
              done
            done ;;
+    # Programmatic dependent launch and start-up compiles (engine/kernels/pdl.py): the PDL tests, nothing compiled
+    # after start-up (eager, graphs, fp8 KV), the Triton backend's greedy equality.
+    pdl) timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_pdl.py tests/test_cuda.py \
+             tests/test_greedy_equality.py -k "pdl or no_triton_kernel_compiles or triton_backend" 2>&1 \
+             | tee $OUT/pytest-cuda-pdl.log | tail -4 ;;
     quicktests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_small.py \
              tests/test_cuda.py tests/test_greedy_equality.py -k "kernel or triton-graphs or triton_backend or pool or prompt_step" \
              2>&1 | tee $OUT/pytest-cuda-quick.log | tail -5 ;;
