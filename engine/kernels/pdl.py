@@ -26,9 +26,10 @@ captures launch), both at start-up.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from functools import cache
+from types import MappingProxyType
 
 import torch
 import triton
@@ -56,14 +57,14 @@ def chained() -> Iterator[None]:
         _CHAINED.reset(token)
 
 
-_ON = {"PDL": 1, "launch_pdl": True}
-_OFF = {"PDL": 0, "launch_pdl": False}
+_ON = MappingProxyType({"PDL": 1, "launch_pdl": True})
+_OFF = MappingProxyType({"PDL": 0, "launch_pdl": False})
 
 
-def launch(device: torch.device, rows: int) -> dict:
+def launch(device: torch.device, rows: int) -> Mapping:
     """The keyword arguments of a kernel launch of `rows` rows on `device`: the kernel's PDL constexpr and
     Triton's launch_pdl (the launch attribute), both on within `chained` at most RELEASE_MAX_ROWS rows (one of
-    two shared dicts, read-only: every launch of an eager step asks)."""
+    two shared read-only mappings: every launch of an eager step asks)."""
     return _ON if _CHAINED.get() and rows <= RELEASE_MAX_ROWS and enabled(device) else _OFF
 
 
