@@ -85,7 +85,8 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
     8 programs per SM; each prefetching two steps ahead into registers, through a 3-stage cp.async pipeline,
     then one step ahead (the sweep times the table's tiles each way and unpipelined beside them). Likeliest
     first, so a sweep cut by its budget has seen them: about three programs per SM, 8 words per thread; after
-    the first 12, wide slices on one or two warps (below)."""
+    the first 12, those of them that prefetch into registers once more with 4 steps prefetched into L2, then
+    wide slices on one or two warps (below)."""
     from engine.kernels.quant_tiles import GemvTiles
 
     kw = k * bits // 32
@@ -122,7 +123,9 @@ def gemv_candidates(bits: int, n: int, k: int, num_sms: int = 132) -> list:
         and 3 * num_sms <= -(-n // bn) * split * nw <= 16 * num_sms
     ]
     wide.sort(key=lambda t: abs(math.log2(-(-n // t.block_n) * t.split * t.num_warps / (6 * num_sms))))
-    return [*usual[:12], *wide, *usual[12:]]
+    # The likeliest register-prefetching tiles again, each also prefetching 4 steps ahead into L2.
+    l2 = [replace(t, l2_ahead=4) for t in usual[:12] if t.num_stages == 1]
+    return [*usual[:12], *l2, *wide, *usual[12:]]
 
 
 def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> None:
@@ -160,6 +163,8 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
             # The table's tiles unpipelined, prefetching 1 and 2 steps ahead, and through 3 stages: what each gains.
             ways = {"p0": (0, 1), "p1": (1, 1), "p2": (2, 1), "s3": (0, 3)}
             ahead = {name: replace(default, prefetch=p, num_stages=s) for name, (p, s) in ways.items()}
+            # ... and, as they are, prefetching into L2 2, 4 and 8 steps ahead (GemvTiles.l2_ahead).
+            ahead |= {f"l2x{d}": replace(default, num_stages=1, l2_ahead=d) for d in (2, 4, 8)}
             candidates = gemv_candidates(bits, n, k, sms)
             timed = {}
             for config in dict.fromkeys([default, *ahead.values(), *(candidates[:2] if dry_run else candidates)]):
@@ -188,7 +193,7 @@ def sweep_gemv(out: Path, budget_s: float = 360.0, dry_run: bool = False) -> Non
             depths = " / ".join(f"{timed[c]:.1f}" for c in ahead.values())
             _emit(out, row, f"gemv w{bits} K={k:5} N={n:5} m=1  best {t:25} {timed[best]:7.1f} us "
                             f"{nbytes / timed[best] / 1e3:6.0f} GB/s ({len(timed)} tried) | default "
-                            f"{timed[default]:7.1f}, p0/p1/p2/st3 {depths} | tl.dot {dot:7.1f} | "
+                            f"{timed[default]:7.1f}, {'/'.join(ahead)} {depths} | tl.dot {dot:7.1f} | "
                             f"bf16 {bf16:7.1f}")  # fmt: skip
             entries.append(f"    ({bits}, {k}, {n}): {best!r},")
             for m in (2, 4):
@@ -506,6 +511,7 @@ def compile_gemv(bits: int, tiles, k: int, n: int, group: int, m: int = 1, arch:
         "BLOCK_KW": tiles.block_kw, "SCALES": gemv_scales(bits, k, group, span, tiles.block_kw),
         "PREFETCH": tiles.prefetch, "STAGES": tiles.num_stages,
         "EVEN": n % tiles.block_n == 0 and kw % tiles.block_kw == 0, "HAS_PERM": False, "PDL": 0,
+        "L2_AHEAD": tiles.l2_ahead,
     }  # fmt: skip
     signature |= {name: "constexpr" if name in constexprs else "i32" for name in ints}
     signature |= dict.fromkeys(constexprs, "constexpr")

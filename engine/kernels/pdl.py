@@ -5,10 +5,12 @@ them the GPU idles while the next is launched and its programs are placed on the
 with PDL (Hopper and later), a kernel may be placed while the one before it still runs. Each kernel here
 that is launched so first waits (griddepcontrol.wait) until the kernel before it has finished and its
 writes are visible, before any load or store of its own, and then lets the next kernel be placed
-(griddepcontrol.launch_dependents). So the order of memory accesses is the stream's, as without PDL; what
-it removes is the launch gap: the next kernel's programs are resident and waiting when this one ends. At
-most two kernels are in flight: the running one and the next, whose programs wait. A kernel launched
-without PDL (torch's, cuBLAS's) waits for the whole of the one before it, as always.
+(griddepcontrol.launch_dependents). (The decode GEMV may prefetch weight bytes into L2 before it waits,
+GemvTiles.l2_ahead: a weight is no kernel's output, and a prefetch returns nothing.) So the order of
+memory accesses is the stream's, as without PDL; what it removes is the launch gap: the next kernel's
+programs are resident and waiting when this one ends. At most two kernels are in flight: the running one
+and the next, whose programs wait. A kernel launched without PDL (torch's, cuBLAS's) waits for the whole
+of the one before it, as always.
 
 Where: launches of at most RELEASE_MAX_ROWS rows inside `chained()`, which the decode graphs' warm-up and
 capture enter (engine/runner/cuda_graphs.py). The kernels a decode step launches take part (RMSNorm, the

@@ -71,6 +71,11 @@ _PACKED_BF16 = tl.constexpr(_packed_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2")
 _PACKED_F16 = tl.constexpr(_packed_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2"))
 _PAIRS = tl.constexpr("=r,=r,=r,=r,r,r,r")  # its registers: four outputs, two words, -(B + z) of both
 
+# A prefetch into L2 of the line holding $1 where $2 is nonzero (prefetch.global.L2: no register held, no
+# scoreboard entry; a later load of those bytes finds them in L2); $0 is a dummy (inline asm has an output).
+_L2_PREFETCH = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+_L2_ARGS = tl.constexpr("=r,l,r")
+
 
 @triton.jit
 def _weight_only_kernel(
@@ -479,6 +484,34 @@ def _gemv_step_loads(
 
 
 @triton.jit
+def _l2_prefetch(ptrs, issue):
+    """_L2_PREFETCH over a tensor of pointers where `issue` (broadcast to them) holds."""
+    tl.inline_asm_elementwise(_L2_PREFETCH, _L2_ARGS, [ptrs.to(tl.int64), issue.to(tl.int32)], tl.int32, False, 1)
+
+
+@triton.jit
+def _gemv_l2_prefetch(
+    qw_ptr, s_ptr, z_ptr, kw0, kw_end, N, pid_n,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCALES: tl.constexpr,
+):  # fmt: skip
+    """Into L2 (_L2_PREFETCH), the step at word row kw0 of a program's slice (nothing at or past kw_end): its
+    [BLOCK_KW, BLOCK_N] words a 32-byte sector an element (BLOCK_N a multiple of 8), and unless SCALES is 0 the
+    rows of scales and zero points of the step's groups. For whole slices only (EVEN: no column past N)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    r = tl.arange(0, BLOCK_KW)[:, None]
+    sectors = tl.arange(0, BLOCK_N // 8)[None, :] * 8  # 8 words a sector
+    _l2_prefetch(qw_ptr + (kw0 + r).to(tl.int64) * N + pid_n * BLOCK_N + sectors, kw0 + r < kw_end)
+    if SCALES > 0:
+        GROUPS: tl.constexpr = (BLOCK_KW * PER_WORD + GROUP - 1) // GROUP  # the groups a step touches
+        PER_SECTOR: tl.constexpr = 32 // (s_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        g = (kw0 * PER_WORD // GROUP + tl.arange(0, GROUPS)[:, None]).to(tl.int64) * N + pid_n * BLOCK_N
+        cols = tl.arange(0, (BLOCK_N + PER_SECTOR - 1) // PER_SECTOR)[None, :] * PER_SECTOR
+        inside = g * 0 + kw0 < kw_end
+        _l2_prefetch(s_ptr + g + cols, inside)
+        _l2_prefetch(z_ptr + g + cols, inside)
+
+
+@triton.jit
 def _gemv_mask(offs, end, EVEN: tl.constexpr):
     """offs < end, or all true (a constant: the loads it guards compile unpredicated) when EVEN."""
     if EVEN:
@@ -518,7 +551,7 @@ def _gemv_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr, SCALES: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
     EVEN: tl.constexpr, HAS_PERM: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 0,
 ):  # fmt: skip
     """out[:M] = x[:M] @ W for M <= BLOCK_M <= 4 rows (x's columns read through perm when HAS_PERM: an
     act-order weight's rows are sorted by group); program (n, s) covers outputs n*BLOCK_N.. over word
@@ -532,10 +565,19 @@ def _gemv_kernel(
     sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x) within a group: scale and zero point cost per word
     row and step (SCALES 1: the step lies in one group; 2: each word row its own group), or once after the
     loop (SCALES 0: the program's whole span lies in one group, as per-channel weights). One accumulator per
-    row (acc0..acc3): rows past M re-read row M - 1 (no masking) and are never stored."""
-    pdl.enter(PDL)
+    row (acc0..acc3): rows past M re-read row M - 1 (no masking) and are never stored.
+    L2_AHEAD > 0 (CUDA, EVEN, STAGES 1): the first L2_AHEAD steps' words, scales and zeros are prefetched into
+    L2 (_gemv_l2_prefetch) before the kernel waits for the one before it (PDL: the weight is no kernel's
+    output, so its bytes may come while the previous kernel still runs), and each step prefetches the step
+    L2_AHEAD ahead, so the bytes in flight are not bound by the registers that hold prefetched words."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    kw_start = pid_k * span
+    kw_end = tl.minimum(kw_start + span, KW)
+    for ahead in tl.static_range(L2_AHEAD):
+        _gemv_l2_prefetch(qw_ptr, s_ptr, z_ptr, kw_start + ahead * BLOCK_KW, kw_end, N, pid_n, BITS, GROUP, BLOCK_N,
+                          BLOCK_KW, SCALES)  # fmt: skip
+    pdl.enter(PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = _gemv_mask(offs_n, N, EVEN)
@@ -549,8 +591,6 @@ def _gemv_kernel(
     xt1 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
     xt2 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
     xt3 = tl.zeros((BLOCK_KW,), dtype=tl.float32)
-    kw_start = pid_k * span
-    kw_end = tl.minimum(kw_start + span, KW)
     if PREFETCH > 0:
         words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start, kw_end, N, offs_n, mask_n,
                                                  BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
@@ -558,6 +598,9 @@ def _gemv_kernel(
         words2, s_next2, z_next2 = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw_start + BLOCK_KW, kw_end, N, offs_n,
                                                     mask_n, BITS, GROUP, BLOCK_KW, SCALES, EVEN)  # fmt: skip
     for kw0 in tl.range(kw_start, kw_end, BLOCK_KW, num_stages=STAGES):
+        if L2_AHEAD > 0:
+            _gemv_l2_prefetch(qw_ptr, s_ptr, z_ptr, kw0 + L2_AHEAD * BLOCK_KW, kw_end, N, pid_n, BITS, GROUP, BLOCK_N,
+                              BLOCK_KW, SCALES)  # fmt: skip
         if PREFETCH == 1:
             cur, s, z = words, s_next, z_next
             words, s_next, z_next = _gemv_step_loads(qw_ptr, s_ptr, z_ptr, kw0 + BLOCK_KW, kw_end, N, offs_n,
@@ -885,6 +928,20 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
         SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
         STAGES=config.num_stages, EVEN=n % config.block_n == 0 and kw % config.block_kw == 0,
         HAS_PERM=perm is not None, num_warps=config.num_warps,
-        **pdl.launch(x.device, m),
+        **pdl.launch(x.device, m), **_gemv_l2(config, x, qweight),
     )  # fmt: skip
     return out
+
+
+def _gemv_l2(config: GemvTiles, x: torch.Tensor, qweight: torch.Tensor) -> dict:
+    """The GEMV's L2_AHEAD for a launch: config.l2_ahead where its prefetch applies (compiled PTX on CUDA, not the
+    interpreter; whole slices and steps; no cp.async pipeline), else 0."""
+    n, kw = qweight.shape[1], qweight.shape[0]
+    applies = (
+        x.device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and n % config.block_n == 0
+        and kw % config.block_kw == 0
+        and config.num_stages == 1
+    )
+    return {"L2_AHEAD": config.l2_ahead if applies else 0}

@@ -80,7 +80,9 @@ class GemvTiles:
     many steps ahead (0 to 2) a step loads words and scales into registers, so loads stay in flight while a
     warp computes (with neither this nor stages a warp waits a full memory latency every step); `num_stages`
     above 1: Triton's pipeliner copies them num_stages - 1 steps ahead into shared memory instead (cp.async,
-    a barrier a step)."""
+    a barrier a step). `l2_ahead` (0: off): each step also prefetches the words, scales and zeros of the step
+    that many ahead into L2 (prefetch.global.L2, no registers held), and a program prefetches its first
+    l2_ahead steps before it waits for the kernel before it (quant_gemm._gemv_kernel)."""
 
     block_n: int
     block_kw: int
@@ -88,6 +90,7 @@ class GemvTiles:
     num_warps: int = 4
     prefetch: int = 2
     num_stages: int = 1
+    l2_ahead: int = 0
 
 
 @dataclass(frozen=True)
