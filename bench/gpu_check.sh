@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the CUDA tests, then the gpu_check.py modes named on the command line.
-#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep quant-mid-tests fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs pdl
+#   bash bench/gpu_check.sh tests faults spec spec-draft spec-draft-graphs spec-draft-ab quant quant-kernels quant-sweep quant-gemv quant-gemv-tests quant-gemv-sweep quant-mid-tests fp8-sweep-w1 fp8-ncu quant-decode quant-w1 ab-w1 ab-w2 ab-decode sweep-ab greedy kernels w1 w2 w1-sync w1-eager w2-eager w1-torch w2-torch transformers roofline fp8kv fp8kv-tests fp8kv-ab long decode-tiles decode-ncu quant-profile verify verify-graphs pdl l2-ab
 # Results: $OUT/gpu_check.jsonl (JSON lines) and $OUT/pytest-cuda*.log (OUT defaults to /tmp/gpu_check);
 # committed under bench/results/ as YYYY-MM-DD-<device>-<commit>-<what> (gpu-check.jsonl, pytest-cuda.log).
 set -u
@@ -128,7 +128,14 @@ for step in "$@"; do
            cp .ab/swept/engine/kernels/quant_tiles.py $OUT/quant_tiles-swept.py
            export AB_BASE=$PWD/.ab/swept AB_KINDS=${AB_KINDS:-w4a16-g128 w8a16} \
              AB_BATCHES=${AB_BATCHES:-$([ ${QUANT_SWEEP:-gemv} = mid ] && echo 16 64 || echo 1 2)} ;;&
-    ab-decode|sweep-ab) for side in ${AB_ORDER:-base new}; do
+    # The GEMV prefetching into L2 (GemvTiles.l2_ahead = L2_AHEAD, default 4) at GEMV_TABLE's W4 entries against
+    # the committed table on the whole model: this tree's engine/ and bench/ copied to .ab/l2 with those entries
+    # rewritten (bench.apply_tiles --l2-ahead), then ab-decode with that copy as the base: ab-decode-base.jsonl
+    # holds the prefetching rows. AB_KINDS, AB_BATCHES and AB_ORDER as ab-decode's (here w4a16-g128, 1 2).
+    l2-ab) rm -rf .ab/l2 && mkdir -p .ab/l2 && cp -r engine bench .ab/l2/
+           python3 -m bench.apply_tiles --l2-ahead ${L2_AHEAD:-4} .ab/l2/engine/kernels/quant_tiles.py
+           export AB_BASE=$PWD/.ab/l2 AB_KINDS=${AB_KINDS:-w4a16-g128} AB_BATCHES=${AB_BATCHES:-1 2} ;;&
+    ab-decode|sweep-ab|l2-ab) for side in ${AB_ORDER:-base new}; do
              dir=$PWD; [ $side = base ] && dir=$AB_BASE
              for kind in ${AB_KINDS:-bf16 w4a16-g128 fp8}; do
                (cd $dir && PYTHONPATH=$dir python3 bench/gpu_check.py quant-decode --kinds $kind ${AB_BATCHES:+--decode-batches $AB_BATCHES} \
