@@ -2,7 +2,7 @@
 against the committed tables (`bash bench/gpu_check.sh sweep-ab`), and the table to commit when it wins.
 
     python -m bench.apply_tiles SWEEP.jsonl PATH/quant_tiles.py
-    python -m bench.apply_tiles --l2-ahead 4 [--bits 4] PATH/quant_tiles.py  # GEMV_TABLE's, prefetching into L2
+    python -m bench.apply_tiles --l2-ahead 4 PATH/quant_tiles.py  # GEMV_TABLE's tiles, prefetching into L2
 
 SWEEP.jsonl holds the rows `python -m bench.quant_gpu --sweep gemv / mid` writes: each shape's row names its
 fastest tiles, keyed as GEMV_TABLE ((bits, K, N), sweep "gemv-w{bits}", "best") or MID_TABLE ((bits, K, N,
@@ -37,14 +37,14 @@ def winners(rows: list[dict]) -> dict[str, dict[tuple, object]]:
     return found
 
 
-def l2_tables(ahead: int, bits: int) -> dict[str, dict[tuple, object]]:
-    """GEMV_TABLE's entries of `bits`, each prefetching `ahead` steps into L2 (GemvTiles.l2_ahead; unpipelined,
-    as the prefetch takes), as winners() returns them: the tree `bash bench/gpu_check.sh l2-ab` times."""
+def l2_tables(ahead: int) -> dict[str, dict[tuple, object]]:
+    """GEMV_TABLE's entries, each prefetching `ahead` steps into L2 (GemvTiles.l2_ahead; unpipelined, as the
+    prefetch takes), as winners() returns them: the tree `bash bench/gpu_check.sh l2-ab` times."""
     from dataclasses import replace
 
     from engine.kernels.quant_tiles import GEMV_TABLE
 
-    gemv = {key: replace(t, num_stages=1, l2_ahead=ahead) for key, t in GEMV_TABLE.items() if key[0] == bits}
+    gemv = {key: replace(t, num_stages=1, l2_ahead=ahead) for key, t in GEMV_TABLE.items()}
     return {"GEMV_TABLE": gemv, "MID_TABLE": {}}
 
 
@@ -74,12 +74,11 @@ def main() -> None:
     parser.add_argument("sweep", type=Path, nargs="?", help="the sweep's rows (not with --l2-ahead)")
     parser.add_argument("tiles", type=Path, help="a copy of engine/kernels/quant_tiles.py, rewritten in place")
     parser.add_argument("--l2-ahead", type=int, default=None, help="GEMV_TABLE's entries with this l2_ahead")
-    parser.add_argument("--bits", type=int, default=4, help="with --l2-ahead: the entries of these bits")
     args = parser.parse_args()
     if (args.l2_ahead is None) == (args.sweep is None):
-        parser.error("name a sweep's rows or --l2-ahead, not both")
+        parser.error("name either a sweep's rows or --l2-ahead")
     if args.l2_ahead is not None:
-        tables = l2_tables(args.l2_ahead, args.bits)
+        tables = l2_tables(args.l2_ahead)
     else:
         tables = winners([json.loads(line) for line in args.sweep.read_text().splitlines() if line.strip()])
     args.tiles.write_text(apply(args.tiles.read_text(), tables))

@@ -128,7 +128,7 @@ for step in "$@"; do
            cp .ab/swept/engine/kernels/quant_tiles.py $OUT/quant_tiles-swept.py
            export AB_BASE=$PWD/.ab/swept AB_KINDS=${AB_KINDS:-w4a16-g128 w8a16} \
              AB_BATCHES=${AB_BATCHES:-$([ ${QUANT_SWEEP:-gemv} = mid ] && echo 16 64 || echo 1 2)} ;;&
-    # The GEMV prefetching into L2 (GemvTiles.l2_ahead = L2_AHEAD, default 4) at GEMV_TABLE's W4 entries against
+    # The GEMV prefetching into L2 (GemvTiles.l2_ahead = L2_AHEAD, default 4) at GEMV_TABLE's tiles against
     # the committed table on the whole model: this tree's engine/ and bench/ copied to .ab/l2 with those entries
     # rewritten (bench.apply_tiles --l2-ahead), then ab-decode with that copy as the base: ab-decode-base.jsonl
     # holds the prefetching rows. AB_KINDS, AB_BATCHES and AB_ORDER as ab-decode's (here w4a16-g128, 1 2).

@@ -824,11 +824,16 @@ def _split_buffers(
     return torch.empty((split, block_m, n), dtype=dtype, device=device), counters
 
 
+@cache
+def _runs_ptx() -> bool:
+    """Whether kernels compile to PTX, which inline assembly needs (the interpreter runs none)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _packs(x: torch.Tensor, bits: int) -> bool:
     """Whether MidTiles.packed applies: 4-bit fields, 16-bit activations (packed halves of their type) and
-    PTX to run (the interpreter runs none)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and not interpreted
+    PTX to run."""
+    return bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and _runs_ptx()
 
 
 def _mid(x, qweight, scales, zeros, bits, group_size, config: MidTiles, counters, perm) -> torch.Tensor:
@@ -921,27 +926,15 @@ def _gemv(x, qweight, scales, zeros, bits, group_size, config: GemvTiles, counte
     if m == 0:  # nothing to launch (block_m would be 0); only explicit tiles get here with no rows
         return out
     part, counters = _split_buffers(split, block_m, n, slices, counters, x.device)
+    even = n % config.block_n == 0 and kw % config.block_kw == 0
+    # The L2 prefetch (inline PTX) takes whole slices and steps and no cp.async pipeline.
+    l2_ahead = config.l2_ahead if even and config.num_stages == 1 and _runs_ptx() else 0
     _gemv_kernel[(slices, split)](
         x, qweight, scales, zeros, out if perm is None else perm, out, part, counters,
         m, n, kw, x.stride(0), x.stride(1), span, split,
         BITS=bits, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_KW=config.block_kw,
         SCALES=gemv_scales(bits, k, group_size, span, config.block_kw), PREFETCH=config.prefetch,
-        STAGES=config.num_stages, EVEN=n % config.block_n == 0 and kw % config.block_kw == 0,
-        HAS_PERM=perm is not None, num_warps=config.num_warps,
-        **pdl.launch(x.device, m), **_gemv_l2(config, x, qweight),
+        STAGES=config.num_stages, EVEN=even, HAS_PERM=perm is not None, num_warps=config.num_warps,
+        **pdl.launch(x.device, m), L2_AHEAD=l2_ahead,
     )  # fmt: skip
     return out
-
-
-def _gemv_l2(config: GemvTiles, x: torch.Tensor, qweight: torch.Tensor) -> dict:
-    """The GEMV's L2_AHEAD for a launch: config.l2_ahead where its prefetch applies (compiled PTX on CUDA, not the
-    interpreter; whole slices and steps; no cp.async pipeline), else 0."""
-    n, kw = qweight.shape[1], qweight.shape[0]
-    applies = (
-        x.device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and n % config.block_n == 0
-        and kw % config.block_kw == 0
-        and config.num_stages == 1
-    )
-    return {"L2_AHEAD": config.l2_ahead if applies else 0}
